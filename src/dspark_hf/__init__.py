@@ -1,0 +1,38 @@
+"""dspark-hf: DSpark speculative decoding for Hugging Face transformers.
+
+    import dspark_hf
+    target.generate(**inputs, assistant_model=drafter)   # routed to DSpark, lossless
+"""
+
+from .configuration_dspark import DSparkConfig
+from .generation import disable, enable, generate
+from .modeling_dspark import DSparkDraftModel, DSparkPreTrainedModel
+from .registration import register
+from .scheduler import prefix_schedule
+from .stats import DSparkGenerationStats
+
+
+register()
+
+
+def load_default(**kwargs):
+    """The embedded default: `(target, tokenizer, drafter)` for SmolLM2-135M-Instruct (see `dspark_hf.default`)."""
+    from .default import load_default as _load_default
+
+    return _load_default(**kwargs)
+
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DSparkConfig",
+    "DSparkDraftModel",
+    "DSparkPreTrainedModel",
+    "DSparkGenerationStats",
+    "enable",
+    "disable",
+    "generate",
+    "load_default",
+    "prefix_schedule",
+    "register",
+]

@@ -1,0 +1,157 @@
+"""`DSparkCandidateGenerator`: the adapter between transformers' assisted-decoding loop and a DSpark drafter.
+
+Each round of `generate()` (batch size 1):
+  draft    append the target features of the tokens committed last round to the drafter's context cache, run
+           one parallel block pass, crop the block's own K/V again;
+  schedule sample the block token by token through the sequential head, stopping where the admission policy
+           (confidence threshold or Algorithm 1) says verification no longer pays;
+  verify / accept / commit / crop: done by transformers' loop, against the processed biased draft logits we return,
+           so greedy output is token-identical and sampling is exact rejection sampling.
+"""
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .generation import eos_token_ids
+from .scheduler import build_admission
+from .stats import DSparkGenerationStats
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Drafts with a DSpark drafter from the target's own hidden states.
+
+    Args:
+        drafter: a model with `config.model_type == "dspark"` (a `DSparkDraftModel`, or its remote-code twin).
+        target: the model running `generate()`; its embedding and LM head are borrowed by the drafter.
+        generation_config: the call's `GenerationConfig` (`do_sample`, `max_length`, EOS ids).
+        logits_processor: the call's processors and warpers; draft logits go through the same ones.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter, target, generation_config, logits_processor=None, input_ids=None):
+        config = drafter.config
+        config.check_target(target.config)
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DSpark in generate() drafts for one sequence at a time, got a batch of {input_ids.shape[0]}. "
+                "Call generate() per prompt (pipelines do this with batch_size=1)."
+            )
+        self.drafter, self.config = drafter, config
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        if self.lm_head is None:
+            raise ValueError(f"{type(target).__name__} has no output embeddings (LM head) for the drafter to borrow.")
+        self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = generation_config.max_length
+        self.eos_ids = eos_token_ids(generation_config)
+        # Ask the target for exactly the tapped layers (+1: entry 0 of `hidden_states` is the embedding output).
+        # With a user request for all hidden states, a list would crash `_split_model_outputs`, so keep `True`.
+        taps = [i + 1 for i in config.target_layer_ids]
+        self.model_kwargs_overrides = {"output_hidden_states": True if generation_config.output_hidden_states else taps}
+        self.admit = build_admission(config, getattr(drafter, "sps_profile", None))
+        self.cache = DynamicCache()
+        self.context_len = 0  # target positions whose features are in the drafter cache
+        self.pending: tuple[int, int] | None = None  # (sequence length, drafts proposed); None for the prefill
+        self.stats = DSparkGenerationStats(block_size=config.block_size)
+        drafter.generation_stats = self.stats
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Read by the transformers 5.25 loop; the most drafts a round can propose."""
+        return self.config.block_size
+
+    def _new_context(self, input_ids, model_outputs, n_last_matches: int) -> torch.Tensor:
+        """Target features of the positions committed since the last round: (1, n_new, m·d).
+
+        After the prefill these are all prompt positions; later the old anchor plus the accepted drafts, i.e. the
+        first `n_last_matches + 1` positions of the verify pass. The newest token (the bonus) becomes the anchor and
+        has no features yet: context ends at position `len(input_ids) - 2`.
+        """
+        n_new = input_ids.shape[1] - 1 - self.context_len
+        if self.context_len and n_new != n_last_matches + 1:
+            raise RuntimeError(f"Drafter context out of sync: {n_new} new positions, {n_last_matches} accepted.")
+        states = model_outputs.hidden_states
+        return torch.cat([states[i + 1][:, :n_new] for i in self.config.target_layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
+        """input_ids (1, L) -> candidate ids (1, L + n) and processed draft logits (1, n, V) (None when n = 0)."""
+        cur_len = input_ids.shape[1]
+        if is_first_iteration:  # the target has not run yet: no features, no drafts; the prefill is a plain step
+            self.pending = None
+            self.stats.num_prompt_tokens = cur_len
+            return input_ids, None
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("The target returned no hidden states; DSpark needs `output_hidden_states` support.")
+
+        # draft: one parallel pass over [anchor, mask, ...] with the new context appended to the cache
+        context = self._new_context(input_ids, model_outputs, n_last_matches)
+        anchor = input_ids[:, -1:]
+        hidden = self._draft_block(anchor, context, model_kwargs)
+
+        # schedule: sample token by token, stopping where verification stops paying
+        budget = min(self.config.block_size, self.max_length - cur_len - 1)
+        if budget <= 0:
+            self.pending = (cur_len, 0)
+            return input_ids, None
+        draft = self.drafter.sample_block(
+            hidden, input_ids, self.lm_head, self.logits_processor, self.do_sample, max_tokens=budget, admit=self.admit
+        )
+        n = draft.tokens.shape[1]
+        self.pending = (cur_len, n)
+        if n == 0:
+            return input_ids, None
+        return torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=-1), draft.logits.float()
+
+    def _draft_block(self, anchor, context, model_kwargs) -> torch.Tensor:
+        """Backbone pass; returns h (1, γ, d). The cache keeps the context and drops the block's own K/V."""
+        drafter, gamma = self.drafter, self.config.block_size
+        device = drafter.fc.weight.device
+        start = self.context_len
+        n_ctx = context.shape[1]
+        # Context entry i sits at position start + i; block slot j at the anchor's position + j.
+        position_ids = torch.arange(start, start + n_ctx + gamma, device=device)[None]
+        mask = self._padding_mask(model_kwargs, start + n_ctx, gamma, device)
+        out = drafter(
+            noise_embeds=drafter.block_input_embeds(anchor.to(self.embed_tokens.weight.device), self.embed_tokens),
+            context_hidden_states=context.to(device),
+            position_ids=position_ids,
+            attention_mask=mask,
+            cache=self.cache,
+        )
+        self.context_len = start + n_ctx
+        self.cache.crop(-gamma)
+        return out.last_hidden_state
+
+    def _padding_mask(self, model_kwargs, n_context, gamma, device):
+        """A key mask that hides padded prompt positions (left padding); None when nothing is padded."""
+        mask = (model_kwargs or {}).get("attention_mask")
+        if mask is None or bool(mask[:, :n_context].all()):
+            return None
+        keys = torch.cat([mask[:, :n_context].bool(), mask.new_ones(1, gamma).bool()], dim=-1).to(device)
+        return keys[:, None, None, :].expand(1, 1, gamma, -1)  # (1, 1, γ, K) boolean, True = visible
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        """Bookkeeping after the target's verify pass: acceptance statistics."""
+        self.stats.num_new_tokens = input_ids.shape[1] - self.stats.num_prompt_tokens
+        if self.pending is None:
+            return  # the prefill: not a verify step
+        proposed = self.pending[1]
+        stopped = input_ids.shape[1] >= self.max_length or int(input_ids[0, -1]) in self.eos_ids
+        self.stats.record_step(proposed, int(num_matches), stopped=stopped)
+
+
+__all__ = ["DSparkCandidateGenerator"]

@@ -1,0 +1,278 @@
+"""Configuration of a DSpark drafter.
+
+A DSpark drafter is a small stack of decoder layers with the *target's* width that reads target hidden states
+(fused from a few target layers) as extra keys/values, drafts a whole block in one non-causal pass, and then
+samples the block token by token through a cheap sequential head (Markov bias or RNN). A confidence head predicts
+each draft token's survival probability. See `docs` in the repository and the DSpark paper (DeepSeek, 2026).
+
+The config records a *fingerprint* of the target it was made for (model type, width, depth, vocabulary, special
+tokens) so that pairing a drafter with the wrong target fails loudly instead of producing garbage drafts.
+"""
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+SEQUENTIAL_HEADS = ("markov", "gated_markov", "rnn", "none")
+VERIFY_POLICIES = ("threshold", "fixed", "scheduler")
+
+# Known mask tokens of target families whose released drafters use a vocabulary token as the mask.
+# Everything else gets a learned mask embedding (mask_token_id=None).
+_KNOWN_MASK_TOKENS = {"qwen3": 151669, "qwen3_moe": 151669, "gemma4": 4, "gemma4_text": 4}
+# Families whose attention applies RMSNorm to queries and keys per head (QK-norm).
+_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "olmo2")
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """Up to `num_features` target layers spread uniformly from layer 1 to layer L-3, as DFlash does.
+
+    The final layer is never chosen: transformers' last `hidden_states` entry is already final-normed.
+    """
+    if num_target_layers < 2:
+        raise ValueError(f"A target needs at least 2 decoder layers to feed a drafter, got {num_target_layers}.")
+    start, end = 1, max(num_target_layers - 3, 1)
+    if num_target_layers <= 4:
+        start, end = 0, num_target_layers - 2
+    count = min(num_features, end - start + 1)
+    if count == 1:
+        return [start]
+    span = end - start
+    return sorted({start + round(i * span / (count - 1)) for i in range(count)})
+
+
+@strict
+class DSparkConfig(PreTrainedConfig):
+    r"""
+    Configuration for [`DSparkDraftModel`].
+
+    Target fingerprint (copied from the target's config; checked when the drafter is paired with a target):
+        target_model_type (`str`): `model_type` of the target (e.g. `"llama"`, `"qwen3"`).
+        hidden_size (`int`): the target's hidden size; the drafter has the same width (it borrows the embedding).
+        num_target_layers (`int`): number of decoder layers of the target.
+        vocab_size (`int`): the target's vocabulary size.
+        bos_token_id / eos_token_id / pad_token_id: the target's special tokens (pipelines compare them).
+
+    Drafter backbone (defaults follow the target's own block shapes):
+        num_hidden_layers (`int`): number of draft layers.
+        intermediate_size, num_attention_heads, num_key_value_heads, head_dim, hidden_act, rms_norm_eps,
+        rope_parameters, max_position_embeddings, attention_bias, mlp_bias, attention_dropout: as in `LlamaConfig`.
+        use_qk_norm (`bool`): per-head RMSNorm on queries and keys (Qwen3 / Gemma families).
+        final_logit_softcapping (`float`, *optional*): tanh soft-capping of the base logits (Gemma families),
+            applied before the sequential-head bias.
+
+    DSpark:
+        target_layer_ids (`list[int]`): target decoder layers whose raw outputs are fused into the context.
+            Default: up to 5 layers spread from 1 to L-3. The final layer is rejected (its HF hidden state is normed).
+        block_size (`int`): γ. The anchor slot predicts the first draft token, so γ input slots give γ draft
+            tokens and the target verifies γ + 1 positions.
+        mask_token_id (`int`, *optional*): vocabulary token used for the γ-1 mask slots; `None` learns a mask
+            embedding instead.
+        sequential_head (`str`): `"markov"` (low-rank bias `W1[x_{k-1}] W2`), `"gated_markov"`, `"rnn"`, or `"none"`
+            (the DFlash baseline).
+        markov_rank (`int`): rank r of the sequential head.
+        confidence_head (`bool`): whether the drafter predicts per-position acceptance.
+        confidence_with_markov (`bool`): feed `W1[x_{k-1}]` to the confidence head next to `h_k`.
+        sts_temperatures (`list[float]`): per-position Sequential Temperature Scaling temperatures (default 1.0).
+        verify_policy (`str`): how many drafts to verify each round inside `generate()`: `"threshold"` (stop at
+            the first position whose calibrated cumulative survival falls below `confidence_threshold`), `"fixed"`
+            (always the whole block) or `"scheduler"` (Algorithm 1 with a profiled cost curve).
+        confidence_threshold (`float`): survival threshold of the `"threshold"` policy.
+    """
+
+    model_type = "dspark"
+    keys_to_ignore_at_inference = ["cache"]
+
+    # target fingerprint
+    target_model_type: str = "llama"
+    hidden_size: int = 576
+    num_target_layers: int = 30
+    vocab_size: int = 49152
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    # drafter backbone
+    num_hidden_layers: int = 2
+    intermediate_size: int = 1536
+    num_attention_heads: int = 9
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 8192
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float | int = 0.0
+    use_qk_norm: bool = False
+    final_logit_softcapping: float | None = None
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+
+    # DSpark
+    target_layer_ids: list[int] | None = None
+    block_size: int = 7
+    mask_token_id: int | None = None
+    sequential_head: str = "markov"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    sts_temperatures: list[float] | None = None
+    verify_policy: str = "threshold"
+    confidence_threshold: float = 0.1
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        if self.target_layer_ids is None:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.sts_temperatures is None:
+            self.sts_temperatures = [1.0] * self.block_size
+        self.sts_temperatures = [float(t) for t in self.sts_temperatures]
+        # Checked here, not only by @strict's validators, so that users get a plain ValueError.
+        self.validate_architecture()
+        super().__post_init__(**kwargs)
+
+    @property
+    def layer_types(self) -> list[str]:
+        # diff with Llama: every draft layer is full, non-causal attention over context + block
+        return ["full_attention"] * self.num_hidden_layers
+
+    def validate_architecture(self):
+        """Checks every DSpark field and raises `ValueError` naming the bad value and the fix."""
+        if self.block_size < 1:
+            raise ValueError(f"`block_size` must be >= 1 (γ draft tokens per round), got {self.block_size}.")
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"`num_hidden_layers` must be >= 1, got {self.num_hidden_layers}.")
+        if self.sequential_head not in SEQUENTIAL_HEADS:
+            raise ValueError(
+                f"Unknown `sequential_head={self.sequential_head!r}`; choose one of {list(SEQUENTIAL_HEADS)} "
+                '("none" is the DFlash baseline).'
+            )
+        if self.verify_policy not in VERIFY_POLICIES:
+            raise ValueError(f"Unknown `verify_policy={self.verify_policy!r}`; choose one of {list(VERIFY_POLICIES)}.")
+        if self.sequential_head != "none" and self.markov_rank < 1:
+            raise ValueError(
+                f"`markov_rank` must be >= 1 with sequential_head={self.sequential_head!r}, got {self.markov_rank}."
+            )
+        if self.confidence_head and self.confidence_with_markov and self.sequential_head == "none":
+            raise ValueError(
+                "`confidence_with_markov=True` needs a sequential head's token embedding, but sequential_head='none'. "
+                "Set confidence_with_markov=False or choose a sequential head."
+            )
+        if not self.target_layer_ids:
+            raise ValueError("`target_layer_ids` must name at least one target layer.")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers - 1]
+        if bad:
+            raise ValueError(
+                f"`target_layer_ids` {self.target_layer_ids} contains {bad}, outside 0..{self.num_target_layers - 2} "
+                f"for a {self.num_target_layers}-layer target. The final layer ({self.num_target_layers - 1}) is not "
+                "allowed: transformers returns it already final-normed."
+            )
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"`target_layer_ids` has duplicates: {self.target_layer_ids}.")
+        if len(self.sts_temperatures) != self.block_size or any(t <= 0 for t in self.sts_temperatures):
+            raise ValueError(
+                f"`sts_temperatures` must hold {self.block_size} positive values (one per block position), "
+                f"got {self.sts_temperatures}."
+            )
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"`confidence_threshold` must lie in [0, 1], got {self.confidence_threshold}.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
+                f"({self.num_key_value_heads})."
+            )
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"`mask_token_id={self.mask_token_id}` is outside the vocabulary (0..{self.vocab_size - 1}); "
+                "use a valid token id or None for a learned mask embedding."
+            )
+
+    @classmethod
+    def for_target(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DSparkConfig":
+        """Builds a valid drafter config for a target (Llama, Qwen2/3, Mistral and Gemma families).
+
+        The drafter copies the target's block shapes (width, heads, FFN, activation, RoPE) and fingerprint;
+        `overrides` set any DSpark field, e.g. `num_hidden_layers=2, block_size=7, sequential_head="markov"`.
+        """
+        if not isinstance(target_config, PreTrainedConfig):
+            raise TypeError(f"`target_config` must be a transformers PreTrainedConfig, got {type(target_config)}.")
+        text = target_config.get_text_config(decoder=True)
+        model_type = text.model_type
+        num_heads = text.num_attention_heads
+        hidden_act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+        rope = getattr(text, "rope_parameters", None)
+        if isinstance(rope, dict) and "full_attention" in rope:  # Gemma-style per-layer-type RoPE
+            rope = rope["full_attention"]
+        fields = dict(
+            target_model_type=model_type,
+            hidden_size=text.hidden_size,
+            num_target_layers=text.num_hidden_layers,
+            vocab_size=text.vocab_size,
+            bos_token_id=getattr(text, "bos_token_id", None),
+            eos_token_id=getattr(text, "eos_token_id", None),
+            pad_token_id=getattr(text, "pad_token_id", None),
+            intermediate_size=text.intermediate_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            hidden_act=hidden_act,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope) if rope else None,
+            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
+            attention_bias=bool(getattr(text, "attention_bias", False)),
+            use_qk_norm=model_type in _QK_NORM_FAMILIES,
+            final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
+            mask_token_id=_KNOWN_MASK_TOKENS.get(model_type),
+        )
+        unknown = set(overrides) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"Unknown DSparkConfig field(s) {sorted(unknown)}.")
+        fields.update(overrides)
+        if "block_size" in overrides and "sts_temperatures" not in overrides:
+            fields["sts_temperatures"] = None
+        return cls(**fields)
+
+    def check_target(self, target_config: PreTrainedConfig) -> None:
+        """Raise `ValueError` if `target_config` is not the kind of target this drafter was made for."""
+        text = target_config.get_text_config(decoder=True)
+        found = {
+            "model_type": text.model_type,
+            "hidden_size": text.hidden_size,
+            "num_hidden_layers": text.num_hidden_layers,
+            "vocab_size": text.vocab_size,
+        }
+        wrong = {k: (v, found[k]) for k, v in self.target_fingerprint().items() if found[k] != v}
+        # A drafter works with any target of the same shapes; a different family is only worth a warning.
+        family = wrong.pop("model_type", None)
+        if wrong:
+            detail = ", ".join(f"{k}: drafter expects {a}, target has {b}" for k, (a, b) in wrong.items())
+            raise ValueError(
+                f"This DSpark drafter was made for another target ({detail}). Load the drafter trained for this "
+                "target, or build one with DSparkConfig.for_target(target.config)."
+            )
+        if family is not None:
+            logger.warning_once(f"DSpark drafter made for a {family[0]!r} target is used with a {family[1]!r} target.")
+
+    def target_fingerprint(self) -> dict[str, Any]:
+        """The target properties this drafter was built for."""
+        return {
+            "model_type": self.target_model_type,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_target_layers,
+            "vocab_size": self.vocab_size,
+        }
+
+
+__all__ = ["DSparkConfig", "default_target_layer_ids"]

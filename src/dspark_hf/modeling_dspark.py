@@ -1,0 +1,407 @@
+"""The DSpark drafter, written modular-style on top of transformers' Llama blocks.
+
+Architecture (DSpark paper §3, DFlash §4):
+  1. Target features: raw outputs of `config.target_layer_ids` (HF `hidden_states[i + 1]`) concatenated,
+     fused by `fc` (m·d -> d) and `hidden_norm` (RMSNorm) into `H_ctx`.
+  2. Every draft layer projects `H_ctx` with its own k/v projections and prepends the result to the block's
+     keys/values (KV injection). Context features never pass through q/o or the MLP.
+  3. The block (anchor + γ-1 mask slots) attends bidirectionally to itself and to all context; one pass gives
+     `h_1..h_γ`. Anchor-predicts-first: slot j predicts the token at anchor position + j + 1.
+  4. Base logits `U_k = lm_head(h_k)` through the *target's* LM head (borrowed, never stored here), a sequential
+     head adds `B_k(x_{k-1})`, and tokens are sampled one by one; a confidence head predicts survival.
+
+The embedding and LM head are the target's, passed in at call time, so a checkpoint holds only drafter weights.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+from transformers.utils import logging
+
+from .configuration_dspark import DSparkConfig
+from .heads import SEQUENTIAL_HEAD_CLASSES, DSparkConfidenceHead, survival_probabilities
+
+
+logger = logging.get_logger(__name__)
+
+
+class DSparkRMSNorm(LlamaRMSNorm):
+    pass
+
+
+class DSparkMLP(LlamaMLP):
+    pass
+
+
+class DSparkRotaryEmbedding(LlamaRotaryEmbedding):
+    pass
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """RoPE where keys span context + block but queries only the block: queries take the last `q_len` positions.
+
+    q (B, H, Q, hd), k (B, Hkv, C + Q, hd), cos/sin (B, C + Q, hd).
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_len = q.shape[-2]
+    q_embed = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+    k_embed = k * cos + rotate_half(k) * sin
+    return q_embed, k_embed
+
+
+class DSparkAttention(LlamaAttention):
+    """Llama attention whose keys/values are `[W_k H_ctx ; W_k H_block]` (KV injection)."""
+
+    def __init__(self, config: DSparkConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.is_causal = False  # diff with Llama: the block attends bidirectionally (and to all context)
+        if config.use_qk_norm:  # diff with Llama: optional Qwen3/Gemma-style per-head QK-norm
+            self.q_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context_hidden_states: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        # diff with Llama: keys/values also cover the fused target context, prepended along the sequence axis
+        kv_input = hidden_states if context_hidden_states is None else torch.cat([context_hidden_states, hidden_states], 1)
+        kv_shape = (*kv_input.shape[:-1], -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, Q, hd)
+        key_states = self.k_proj(kv_input).view(kv_shape).transpose(1, 2)  # (B, Hkv, C + Q, hd)
+        value_states = self.v_proj(kv_input).view(kv_shape).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class DSparkDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: DSparkConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = DSparkAttention(config, layer_idx)  # diff with Llama: KV-injected, non-causal attention
+        self.mlp = DSparkMLP(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context_hidden_states: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            context_hidden_states=context_hidden_states,  # diff with Llama: the context is not normed here
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+@dataclass
+class DSparkModelOutput(ModelOutput):
+    """
+    last_hidden_state (`torch.FloatTensor` of shape `(batch_size, block_len, hidden_size)`):
+        Post-norm backbone output `h_k` for every block slot.
+    cache (`Cache`, *optional*): the drafter's context cache (projected target features, plus this block).
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    cache: Cache | None = None
+
+
+@dataclass
+class DSparkBlockDraft:
+    """One drafted block, after token-by-token sampling and truncation.
+
+    tokens (1, n): the drafts to verify; logits (1, n, V): the processed, biased draft logits they were drawn from
+    (what speculative sampling compares against); confidence_logits (1, m): raw confidence logits of the m >= n
+    positions examined; survival (m,): calibrated cumulative survival of those positions.
+    """
+
+    tokens: torch.LongTensor
+    logits: torch.FloatTensor
+    confidence_logits: torch.FloatTensor | None
+    survival: list[float]
+
+
+class DSparkPreTrainedModel(PreTrainedModel):
+    config: DSparkConfig
+    base_model_prefix = "dspark"
+    main_input_name = "noise_embeds"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DSparkDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False  # the block attends to context it did not produce; masks are custom
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DSparkDraftModel) and module.mask_embedding is not None:
+            nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
+        if hasattr(module, "markov_w2"):
+            # The sequential bias starts at zero so that an untrained head leaves the backbone's logits unchanged.
+            nn.init.zeros_(module.markov_w2.weight)
+
+
+class DSparkDraftModel(DSparkPreTrainedModel):
+    """DSpark drafter: fused target features as extra K/V, a non-causal block pass, sequential and confidence heads.
+
+    Use it as `target.generate(**inputs, assistant_model=drafter)` after `import dspark_hf`.
+    """
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        d = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = DSparkRMSNorm(d, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = DSparkRMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary_emb = DSparkRotaryEmbedding(config)
+        self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
+        self.markov_head = None
+        if config.sequential_head != "none":
+            self.markov_head = SEQUENTIAL_HEAD_CLASSES[config.sequential_head](config.vocab_size, d, config.markov_rank)
+        self.confidence_head = None
+        if config.confidence_head:
+            rank = config.markov_rank if config.confidence_with_markov else None
+            self.confidence_head = DSparkConfidenceHead(d, rank)
+        self.generation_stats = None  # filled by the candidate generator after each generate()
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, restricted to safetensors and strict about missing weights."""
+        from .loading import check_checkpoint_files, raise_on_incomplete_load
+
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("DSpark drafters load from safetensors only; drop `use_safetensors=False`.")
+        check_checkpoint_files(pretrained_model_name_or_path, kwargs)
+        kwargs["use_safetensors"] = True
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+        raise_on_incomplete_load(pretrained_model_name_or_path, info)
+        return (model, info) if want_info else model
+
+    # -- inputs ---------------------------------------------------------------------------------------------------
+
+    def block_input_embeds(self, anchor_ids: torch.LongTensor, embed_tokens: nn.Module) -> torch.Tensor:
+        """Input embeddings of blocks starting at each anchor: anchor + γ-1 mask slots.
+
+        anchor_ids (B, N) -> (B, N * γ, d), blocks laid out one after another.
+        """
+        bsz, n_blocks = anchor_ids.shape
+        gamma = self.config.block_size
+        anchor = embed_tokens(anchor_ids)  # (B, N, d)
+        if self.mask_embedding is not None:
+            mask = self.mask_embedding.to(anchor.dtype).expand(bsz, n_blocks, gamma - 1, -1)
+        else:
+            mask_ids = anchor_ids.new_full((bsz, n_blocks, gamma - 1), self.config.mask_token_id)
+            mask = embed_tokens(mask_ids)  # (B, N, γ-1, d)
+        return torch.cat([anchor.unsqueeze(2), mask], dim=2).reshape(bsz, n_blocks * gamma, -1)  # (B, N·γ, d)
+
+    # -- backbone -------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> DSparkModelOutput:
+        r"""
+        noise_embeds (`torch.Tensor` of shape `(batch_size, block_len, hidden_size)`):
+            Input embeddings of the block slots (anchor + mask slots), see `block_input_embeds`.
+        context_hidden_states (`torch.Tensor` of shape `(batch_size, ctx_len, len(target_layer_ids) * hidden_size)`):
+            Raw target features of the new context positions, concatenated over `target_layer_ids` in that order.
+            They are fused, projected by every layer's k/v projections and appended to `cache`.
+        position_ids (`torch.LongTensor` of shape `(batch_size, ctx_len + block_len)`):
+            Positions of the new context entries followed by the block slots (slot j of a block anchored at
+            position a sits at a + j). Default: continue after what `cache` holds.
+        attention_mask (`torch.Tensor` of shape `(batch_size, 1, block_len, total_kv_len)`, *optional*):
+            Additive or boolean mask over all keys (cached + new context + block). `None` lets every slot see
+            every key, which is the inference pattern (context < anchor, the whole own block).
+        cache (`Cache`, *optional*): the drafter's context cache; the caller crops the block entries afterwards.
+        """
+        ctx = None
+        if context_hidden_states is not None:
+            ctx = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))  # (B, C, d)
+        new_len = noise_embeds.shape[1] + (0 if ctx is None else ctx.shape[1])
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + new_len, device=noise_embeds.device)[None]
+        if position_ids.shape[-1] != new_len:
+            raise ValueError(f"`position_ids` must cover context + block ({new_len} positions), got {position_ids.shape}.")
+        hidden_states = noise_embeds.to(self.fc.weight.dtype)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                context_hidden_states=ctx,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                cache=cache,
+                **kwargs,
+            )
+        return DSparkModelOutput(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+    # -- heads ----------------------------------------------------------------------------------------------------
+
+    def base_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """`U_k = lm_head(h_k)`, soft-capped for Gemma-family targets: (B, K, d) -> (B, K, V) float32."""
+        logits = lm_head(hidden_states.to(lm_head.weight.dtype)).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def sequential_bias(self, prev_ids, hidden_states, state=None):
+        """`B_k`: prev_ids (B, K), hidden_states (B, K, d) -> bias (B, K, V) or None, new state."""
+        if self.markov_head is None:
+            return None, state
+        bias, state = self.markov_head(prev_ids, hidden_states, state)
+        return bias.float(), state
+
+    def confidence_logits(self, hidden_states: torch.Tensor, prev_ids: torch.LongTensor) -> torch.Tensor | None:
+        """Raw confidence logits from `[h_k ; W1[x_{k-1}]]`: (B, K, d), (B, K) -> (B, K), or None without the head."""
+        if self.confidence_head is None:
+            return None
+        prev_emb = self.markov_head.token_embedding(prev_ids) if self.config.confidence_with_markov else None
+        return self.confidence_head(hidden_states, prev_emb).float()
+
+    def block_logits(self, hidden_states, prev_ids, lm_head):
+        """Teacher-forced draft logits `U_k + B_k(x*_{k-1})` for whole blocks (training, evaluation).
+
+        hidden_states (B, N, γ, d), prev_ids (B, N, γ) = [anchor, x*_1 .. x*_{γ-1}] per block -> (B, N, γ, V).
+        """
+        bsz, n_blocks, gamma, d = hidden_states.shape
+        flat_h = hidden_states.reshape(bsz * n_blocks, gamma, d)  # (B·N, γ, d)
+        logits = self.base_logits(flat_h, lm_head)
+        bias, _ = self.sequential_bias(prev_ids.reshape(bsz * n_blocks, gamma), flat_h)
+        if bias is not None:
+            logits = logits + bias
+        return logits.reshape(bsz, n_blocks, gamma, -1)
+
+    @property
+    def sts_temperatures(self) -> torch.Tensor:
+        return torch.tensor(self.config.sts_temperatures, dtype=torch.float32)
+
+    @torch.no_grad()
+    def sample_block(
+        self,
+        hidden_states: torch.Tensor,
+        sequence_ids: torch.LongTensor,
+        lm_head: nn.Module,
+        logits_processor: Callable | None = None,
+        do_sample: bool = False,
+        max_tokens: int | None = None,
+        admit: Callable[[int, float], bool] | None = None,
+    ) -> DSparkBlockDraft:
+        """Samples the block token by token through the sequential head (DSpark paper §3.5).
+
+        For k = 1..γ: `c_k` from `[h_k; W1[x_{k-1}]]` (before `x_k` exists), `a_k = a_{k-1} σ(c_k / T_k)`; stop if
+        `admit(k, a_k)` is false; else `logits_k = processors(U_k + B_k)` and `x_k ~ softmax(logits_k)` (argmax when
+        greedy). The decision to verify `x_k` uses only `x_{<k}`, which keeps verification lossless.
+
+        hidden_states (1, γ, d): backbone output of the block; sequence_ids (1, L): committed tokens, the last one
+        being the anchor. Returns a `DSparkBlockDraft`.
+        """
+        gamma = hidden_states.shape[1] if max_tokens is None else min(max_tokens, hidden_states.shape[1])
+        base = self.base_logits(hidden_states[:, :gamma], lm_head)  # (1, γ, V), one LM-head matmul for the block
+        temperatures = self.sts_temperatures
+        ids, prev, state, survival = sequence_ids, sequence_ids[:, -1:], None, 1.0
+        logits_out, conf_out, survivals = [], [], []
+        for k in range(gamma):
+            h_k = hidden_states[:, k : k + 1]
+            conf = self.confidence_logits(h_k, prev)
+            if conf is not None:
+                conf_out.append(conf)
+                survival *= torch.sigmoid(conf[0, 0] / temperatures[k]).item()
+                survivals.append(survival)
+            if admit is not None and not admit(k + 1, survival):
+                break
+            bias, state = self.sequential_bias(prev, h_k, state)
+            logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]
+            if logits_processor is not None:
+                logits = logits_processor(ids, logits)
+            if do_sample:
+                token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+            else:
+                token = logits.argmax(dim=-1, keepdim=True)
+            logits_out.append(logits)
+            ids = torch.cat([ids, token], dim=-1)
+            prev = token
+        n = len(logits_out)
+        logits = torch.stack(logits_out, dim=1) if n else base.new_zeros(1, 0, base.shape[-1])
+        return DSparkBlockDraft(
+            tokens=ids[:, sequence_ids.shape[1] :],
+            logits=logits,
+            confidence_logits=torch.cat(conf_out, dim=1) if conf_out else None,
+            survival=survivals,
+        )
+
+
+__all__ = [
+    "DSparkPreTrainedModel",
+    "DSparkDraftModel",
+    "DSparkModelOutput",
+    "DSparkBlockDraft",
+    "survival_probabilities",
+]
+
+
+# Remote code: a checkpoint loaded with `trust_remote_code=True` in a process without `dspark_hf` still routes
+# `generate(assistant_model=drafter)` to the DSpark candidate generator. Installing twice is a no-op.
+from .generation import install_candidate_generator  # noqa: E402
+
+
+install_candidate_generator()

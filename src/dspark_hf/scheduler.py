@@ -1,0 +1,102 @@
+"""How many drafts to verify: fixed, confidence threshold, and DSpark's Algorithm 1 (hardware-aware prefix schedule).
+
+All policies decide position k from survival probabilities of positions <= k only, never from later drafts;
+Algorithm 1's early stop is what guarantees that (DSpark paper §3.2.2 and App. A).
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+
+
+SPS = Mapping[int, float] | Callable[[int], float]
+
+
+def _sps_lookup(sps: SPS) -> Callable[[int], float]:
+    if callable(sps):
+        return sps
+    table = dict(sps)
+    largest = max(table)
+
+    def lookup(b: int) -> float:
+        if b in table:
+            return float(table[b])
+        if b > largest:
+            raise ValueError(f"The SPS profile covers verify batches up to {largest} tokens; {b} was requested.")
+        return float(table[min(k for k in table if k >= b)])  # conservative: the next profiled size
+
+    return lookup
+
+
+def prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS) -> list[int]:
+    """Algorithm 1: per-request verify lengths maximising Θ = τ · SPS(B), greedy with early stop.
+
+    confidences[r][k]: calibrated conditional acceptance probability of request r at draft position k+1.
+    sps: verify-batch token count B (anchors included) -> target steps per second.
+    Returns ℓ_r for every request.
+    """
+    lookup = _sps_lookup(sps)
+    candidates = []
+    for r, conf in enumerate(confidences):
+        survival = 1.0
+        for j, c in enumerate(conf, start=1):
+            if not 0.0 <= c <= 1.0:
+                raise ValueError(f"confidences[{r}][{j - 1}] = {c} is not a probability.")
+            survival *= c
+            if survival > 0:
+                candidates.append((survival, r, j))
+    # Survival is non-increasing in j, so a stable sort keeps each request's positions in prefix order.
+    candidates.sort(key=lambda t: -t[0])
+    n_requests = len(confidences)
+    lengths, best = [0] * n_requests, [0] * n_requests
+    batch, expected = n_requests, float(n_requests)  # every request verifies its anchor and gains a bonus token
+    best_theta = expected * lookup(batch)
+    for survival, r, j in candidates:
+        lengths[r], batch, expected = j, batch + 1, expected + survival
+        theta = expected * lookup(batch)
+        if theta > best_theta:
+            best_theta, best = theta, list(lengths)
+        else:
+            break  # early stop: required for losslessness
+    return best
+
+
+class PrefixAdmission:
+    """Algorithm 1 for one request, applied incrementally while the block is sampled (`admit(k, a_k)`)."""
+
+    def __init__(self, sps: SPS):
+        self.lookup = _sps_lookup(sps)
+        self.reset()
+
+    def reset(self) -> None:
+        self.batch, self.expected = 1, 1.0
+        self.best_theta = self.lookup(1)
+
+    def __call__(self, position: int, survival: float) -> bool:
+        if position == 1:
+            self.reset()
+        theta = (self.expected + survival) * self.lookup(self.batch + 1)
+        if theta <= self.best_theta:
+            return False
+        self.batch, self.expected, self.best_theta = self.batch + 1, self.expected + survival, theta
+        return True
+
+
+def threshold_admission(threshold: float) -> Callable[[int, float], bool]:
+    """Verify while the calibrated cumulative survival stays at or above `threshold`."""
+    return lambda position, survival: survival >= threshold
+
+
+def build_admission(config, sps: SPS | None = None) -> Callable[[int, float], bool] | None:
+    """The admission rule for `config.verify_policy`; None means verify the whole block."""
+    if config.verify_policy == "fixed" or not config.confidence_head:
+        return None
+    if config.verify_policy == "threshold":
+        return threshold_admission(config.confidence_threshold)
+    if sps is None:
+        raise ValueError(
+            'verify_policy="scheduler" needs a steps-per-second profile of the target: set `drafter.sps_profile` '
+            '(a {batch_tokens: steps_per_second} mapping) or choose verify_policy="threshold".'
+        )
+    return PrefixAdmission(sps)
+
+
+__all__ = ["prefix_schedule", "PrefixAdmission", "threshold_admission", "build_admission"]

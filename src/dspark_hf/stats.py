@@ -1,0 +1,82 @@
+"""Acceptance statistics of one `generate()` call, kept on `drafter.generation_stats`."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DSparkGenerationStats:
+    """Per-call counters of speculative decoding.
+
+    A *step* is one target verify pass (the prefill is not a step). At step i the target verified
+    `verify_lengths[i]` draft tokens (0..γ) and `accepted_lengths[i]` of them were committed, plus one bonus
+    token from the target. `stopped[i]` marks a step cut short by EOS or the length limit, whose unaccepted
+    drafts say nothing about the drafter and are left out of the per-position rates.
+    """
+
+    block_size: int
+    num_prompt_tokens: int = 0
+    num_new_tokens: int = 0
+    verify_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    stopped: list[bool] = field(default_factory=list)
+
+    def record_step(self, verified: int, accepted: int, stopped: bool = False) -> None:
+        if not 0 <= accepted <= verified:
+            raise ValueError(f"accepted ({accepted}) must lie in 0..verified ({verified}).")
+        self.verify_lengths.append(verified)
+        self.accepted_lengths.append(accepted)
+        self.stopped.append(stopped)
+
+    @property
+    def num_target_forwards(self) -> int:
+        """Verify passes of the target (prefill excluded)."""
+        return len(self.verify_lengths)
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens committed per verify pass, the bonus token included (the paper's convention)."""
+        steps = self.num_target_forwards
+        return (sum(self.accepted_lengths) + steps) / steps if steps else 0.0
+
+    def position_counts(self) -> tuple[list[int], list[int]]:
+        """(reached, accepted) per block position k = 1..γ: drafts verified at k with 1..k-1 accepted."""
+        reached, accepted = [0] * self.block_size, [0] * self.block_size
+        for ver, acc, stop in zip(self.verify_lengths, self.accepted_lengths, self.stopped):
+            last = ver if not stop else acc  # a stopped step's rejection is not the drafter's
+            for k in range(min(last, acc + 1)):
+                reached[k] += 1
+                accepted[k] += k < acc
+        return reached, accepted
+
+    @property
+    def per_position_acceptance(self) -> list[float | None]:
+        """Conditional acceptance rate per block position (None where no draft reached it)."""
+        reached, accepted = self.position_counts()
+        return [a / r if r else None for r, a in zip(reached, accepted)]
+
+    @property
+    def mean_verify_length(self) -> float:
+        steps = self.num_target_forwards
+        return sum(self.verify_lengths) / steps if steps else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_new_tokens": self.num_new_tokens,
+            "num_target_forwards": self.num_target_forwards,
+            "acceptance_length": self.acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "mean_verify_length": self.mean_verify_length,
+            "verify_lengths": list(self.verify_lengths),
+            "accepted_lengths": list(self.accepted_lengths),
+        }
+
+    def merge(self, other: "DSparkGenerationStats") -> "DSparkGenerationStats":
+        """Pool two calls' steps (for dataset-level τ and per-position rates)."""
+        merged = DSparkGenerationStats(self.block_size, self.num_prompt_tokens + other.num_prompt_tokens,
+                                       self.num_new_tokens + other.num_new_tokens)
+        for s in (self, other):
+            merged.verify_lengths += s.verify_lengths
+            merged.accepted_lengths += s.accepted_lengths
+            merged.stopped += s.stopped
+        return merged
