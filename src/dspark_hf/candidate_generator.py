@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .generation import eos_token_ids
 from .scheduler import build_admission
@@ -32,7 +33,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, drafter, target, generation_config, logits_processor=None, input_ids=None):
+    def __init__(self, drafter, target, generation_config, logits_processor=None, input_ids=None, tokenizer=None):
         config = drafter.config
         config.check_target(target.config)
         if input_ids is not None and input_ids.shape[0] != 1:
@@ -49,6 +50,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos_ids = eos_token_ids(generation_config)
+        self.stop_strings = None
+        if generation_config.stop_strings:
+            if tokenizer is None:
+                raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=` to generate().")
+            self.stop_strings = StopStringCriteria(tokenizer=tokenizer, stop_strings=generation_config.stop_strings)
         # Ask the target for exactly the tapped layers (+1: entry 0 of `hidden_states` is the embedding output).
         # With a user request for all hidden states, a list would crash `_split_model_outputs`, so keep `True`.
         taps = [i + 1 for i in config.target_layer_ids]
@@ -110,11 +116,28 @@ class DSparkCandidateGenerator(CandidateGenerator):
         draft = self.drafter.sample_block(
             hidden, input_ids, self.lm_head, self.logits_processor, self.do_sample, max_tokens=budget, admit=self.admit
         )
-        n = draft.tokens.shape[1]
+        candidate_ids = torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=-1)
+        n = self._before_stop_string(candidate_ids, cur_len)
         self.pending = (cur_len, n)
         if n == 0:
             return input_ids, None
-        return torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=-1), draft.logits.float()
+        return candidate_ids[:, : cur_len + n], draft.logits[:, :n].float()
+
+    def _before_stop_string(self, candidate_ids, cur_len) -> int:
+        """Number of drafts to keep so that no *draft* completes a stop string.
+
+        The loop checks stopping criteria once per round, after committing accepted drafts and the bonus token; a
+        stop string completed by an accepted draft would let later tokens through, unlike plain decoding. With this
+        cut only the bonus (the round's last token) can complete it, and generation stops exactly where plain
+        decoding does. EOS and max_length are clipped by the loop itself.
+        """
+        n = candidate_ids.shape[1] - cur_len
+        if self.stop_strings is None:
+            return n
+        for j in range(1, n + 1):
+            if bool(self.stop_strings(candidate_ids[:, : cur_len + j], None).any()):
+                return j - 1
+        return n
 
     def _draft_block(self, anchor, context, model_kwargs) -> torch.Tensor:
         """Backbone pass; returns h (1, γ, d). The cache keeps the context and drops the block's own K/V."""

@@ -59,7 +59,12 @@ def _wrap_selector(original):
             from .candidate_generator import DSparkCandidateGenerator
 
             return DSparkCandidateGenerator(
-                assistant_model, self, generation_config, logits_processor, input_ids=input_ids,
+                assistant_model,
+                self,
+                generation_config,
+                logits_processor,
+                input_ids=input_ids,
+                tokenizer=kwargs.get("target_tokenizer"),
             )
         return original(
             self,

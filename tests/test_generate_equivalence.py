@@ -1,0 +1,179 @@
+"""Greedy DSpark-assisted generate() is token-identical to plain greedy generate(): the heart of losslessness."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import make_drafter, make_target
+from helpers import pin_drafter, char_tokenizer
+
+
+def greedy(target, ids, **kwargs):
+    return target.generate(ids, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 5, 17])
+@pytest.mark.parametrize("policy", ["fixed", "threshold"])
+def test_random_drafter_matches_greedy(target, prompt_len, policy):
+    drafter = make_drafter(target, verify_policy=policy)
+    ids = torch.randint(0, 99, (1, prompt_len))
+    ref = greedy(target, ids, max_new_tokens=23)  # 23: not a multiple of γ + 1
+    out = greedy(target, ids, max_new_tokens=23, assistant_model=drafter)
+    assert torch.equal(ref, out)
+    stats = drafter.generation_stats
+    assert stats.num_new_tokens == 23
+    assert sum(stats.accepted_lengths) + stats.num_target_forwards + 1 == 23  # + 1: the prefill token
+
+
+@pytest.mark.parametrize("head", ["markov", "gated_markov", "rnn", "none"])
+def test_every_sequential_head_matches_greedy(target, head):
+    extra = {"confidence_with_markov": False} if head == "none" else {}
+    drafter = make_drafter(target, sequential_head=head, **extra)
+    ids = torch.randint(0, 99, (1, 6))
+    assert torch.equal(greedy(target, ids, max_new_tokens=15), greedy(target, ids, max_new_tokens=15,
+                                                                          assistant_model=drafter))
+
+
+def test_oracle_drafter_accepts_everything(target):
+    ids = torch.randint(0, 99, (1, 5))
+    ref = greedy(target, ids, max_new_tokens=30)
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), ref)
+    out = greedy(target, ids, max_new_tokens=30, assistant_model=drafter)
+    assert torch.equal(ref, out)
+    stats = drafter.generation_stats
+    gamma = drafter.config.block_size
+    # prefill gives 1 token; each verify pass commits γ drafts + 1 bonus
+    assert stats.num_target_forwards == math.ceil((30 - 1) / (gamma + 1))
+    assert stats.per_position_acceptance == [1.0] * gamma
+    assert stats.acceptance_length > gamma
+
+
+@pytest.mark.parametrize("diverge_at", [0, 1, 2, 3])
+def test_drafter_diverging_at_each_position(target, diverge_at):
+    ids = torch.randint(0, 99, (1, 4))
+    ref = greedy(target, ids, max_new_tokens=21)
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), ref, diverge_at=diverge_at)
+    out = greedy(target, ids, max_new_tokens=21, assistant_model=drafter)
+    assert torch.equal(ref, out)
+    stats = drafter.generation_stats
+    for verified, accepted, stopped in zip(stats.verify_lengths, stats.accepted_lengths, stats.stopped):
+        assert accepted == min(diverge_at, verified) or stopped
+    rates = stats.per_position_acceptance
+    assert rates[diverge_at] == 0.0
+    assert all(r == 1.0 for r in rates[:diverge_at])
+
+
+def test_zero_drafts_when_confidence_is_never_enough(target):
+    drafter = make_drafter(target, verify_policy="threshold", confidence_threshold=1.0)
+    ids = torch.randint(0, 99, (1, 5))
+    assert torch.equal(greedy(target, ids, max_new_tokens=9), greedy(target, ids, max_new_tokens=9,
+                                                                         assistant_model=drafter))
+    assert set(drafter.generation_stats.verify_lengths) == {0}
+
+
+def test_eos_inside_an_accepted_block():
+    target = make_target()
+    ids = torch.randint(0, 99, (1, 5))
+    ref_long = greedy(target, ids, max_new_tokens=20)
+    eos = int(ref_long[0, 5 + 6])  # the 7th generated token becomes EOS
+    first = (ref_long[0, 5:] == eos).nonzero()[0].item()
+    target.generation_config.eos_token_id = eos
+    ref = greedy(target, ids, max_new_tokens=20)
+    assert ref.shape[1] == 5 + first + 1  # plain greedy stops at the EOS
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), ref_long)
+    out = greedy(target, ids, max_new_tokens=20, assistant_model=drafter)
+    assert torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("max_length", [6, 7, 12, 13])
+def test_max_length_boundary(target, max_length):
+    ids = torch.randint(0, 99, (1, 5))
+    ref = greedy(target, ids, max_length=max_length)
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), greedy(target, ids, max_length=40))
+    out = greedy(target, ids, max_length=max_length, assistant_model=drafter)
+    assert torch.equal(ref, out) and out.shape[1] == max_length
+
+
+def test_stop_strings(target):
+    tok = char_tokenizer(99)
+    ids = torch.randint(0, 99, (1, 5))
+    ref_long = greedy(target, ids, max_new_tokens=20)
+    stop = tok.decode(ref_long[0, 5 + 8 : 5 + 10])
+    ref = greedy(target, ids, max_new_tokens=20, stop_strings=[stop], tokenizer=tok)
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), ref_long)
+    out = greedy(target, ids, max_new_tokens=20, stop_strings=[stop], tokenizer=tok, assistant_model=drafter)
+    assert torch.equal(ref, out)
+    assert ref.shape[1] < ref_long.shape[1]
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens += value.flatten().tolist()
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_the_same_tokens(target, drafter):
+    ids = torch.randint(0, 99, (1, 5))
+    plain, assisted = _Collect(), _Collect()
+    greedy(target, ids, max_new_tokens=17, streamer=plain)
+    greedy(target, ids, max_new_tokens=17, streamer=assisted, assistant_model=drafter)
+    assert plain.tokens == assisted.tokens and assisted.ended
+
+
+def test_pipeline_with_assistant_model(target, drafter):
+    tok = char_tokenizer(99)
+    pipe = pipeline("text-generation", model=target, tokenizer=tok)
+    text = "Hello DSpark"
+    ref = pipe(text, max_new_tokens=12, do_sample=False)
+    out = pipe(text, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+    assert ref == out
+    assert drafter.generation_stats.num_new_tokens == 12
+
+
+def test_return_dict_with_hidden_states(target, drafter):
+    ids = torch.randint(0, 99, (1, 5))
+    ref = greedy(target, ids, max_new_tokens=10, return_dict_in_generate=True, output_hidden_states=True)
+    out = greedy(target, ids, max_new_tokens=10, return_dict_in_generate=True, output_hidden_states=True,
+                 assistant_model=drafter)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert out.hidden_states is not None
+
+
+def test_qwen3_target_with_qk_norm():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager")
+    target = Qwen3ForCausalLM(config).eval()
+    target.generation_config.eos_token_id = None
+    drafter = make_drafter(target, mask_token_id=None)
+    assert drafter.config.use_qk_norm and hasattr(drafter.layers[0].self_attn, "q_norm")
+    ids = torch.randint(0, 99, (1, 6))
+    assert torch.equal(greedy(target, ids, max_new_tokens=14), greedy(target, ids, max_new_tokens=14,
+                                                                          assistant_model=drafter))
+
+
+def test_repetition_penalty_processor_is_applied_to_drafts(target, drafter):
+    ids = torch.randint(0, 99, (1, 5))
+    kw = dict(max_new_tokens=16, repetition_penalty=1.3)
+    assert torch.equal(greedy(target, ids, **kw), greedy(target, ids, assistant_model=drafter, **kw))
+
+
+def test_uncroppable_cache_is_refused(target, drafter):
+    class FrozenCache(DynamicCache):
+        @property
+        def is_croppable(self):
+            return False
+
+    with pytest.raises(ValueError, match="crop"):
+        greedy(target, torch.randint(0, 99, (1, 5)), max_new_tokens=5, assistant_model=drafter, cache=FrozenCache())
