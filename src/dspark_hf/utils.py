@@ -1,0 +1,24 @@
+"""Small shared helpers: atomic file writes (nothing a user saved is ever half-written)."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_json(obj, path: str | os.PathLike) -> None:
+    """Write JSON to `path` via a temporary file in the same folder and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

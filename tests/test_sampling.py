@@ -1,0 +1,123 @@
+"""Sampling with a DSpark drafter has exactly the target's distribution (seeded statistical tests, tiny vocabulary).
+
+The exact joint distribution of the first three generated tokens is computed from the target under the same
+warpers; DSpark-assisted samples (random drafter with a non-zero Markov bias, confidence truncation on) are
+compared with it by a chi-square test. A negative control shows the test rejects a drafter that reports the
+unbiased logits instead of the ones its tokens were drawn from.
+"""
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from conftest import make_drafter, make_target
+
+
+VOCAB, N_TOKENS = 4, 3
+PROMPT = torch.tensor([[1, 2, 3, 0, 1]])
+
+
+def warpers(temperature=1.0, top_k=None, top_p=None) -> LogitsProcessorList:
+    """The warpers generate() builds, in its order (temperature, top-k, top-p)."""
+    out = LogitsProcessorList()
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None:
+        out.append(TopKLogitsWarper(top_k))
+    if top_p is not None:
+        out.append(TopPLogitsWarper(top_p))
+    return out
+
+
+@torch.no_grad()
+def exact_joint(target, processors) -> dict[tuple, float]:
+    """P(x1, x2, x3 | prompt) under the processed target distribution, by enumeration."""
+    probs = {}
+    for seq in itertools.product(range(VOCAB), repeat=N_TOKENS):
+        ids, p = PROMPT, 1.0
+        for tok in seq:
+            logits = processors(ids, target(ids).logits[:, -1].float())
+            p *= torch.softmax(logits, -1)[0, tok].item()
+            ids = torch.cat([ids, torch.tensor([[tok]])], dim=-1)
+        probs[seq] = p
+    return probs
+
+
+def chi_square_rejects(samples: list[tuple], probs: dict[tuple, float], z: float = 3.09) -> tuple[bool, float, float]:
+    """Pearson chi-square at α ≈ 1e-3 (Wilson-Hilferty critical value); cells with expectation < 5 are pooled."""
+    n, counts = len(samples), Counter(samples)
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in probs.items():
+        expected = n * p
+        if expected < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts[cell], pooled_exp + expected
+            continue
+        stat, df = stat + (counts[cell] - expected) ** 2 / expected, df + 1
+    if pooled_exp > 0:
+        stat, df = stat + (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9), df + 1
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical, stat, critical
+
+
+def draw(target, drafter, n, **sampling) -> list[tuple]:
+    samples = []
+    for _ in range(n):
+        # 5 new tokens so that the first verify round drafts γ = 3 tokens for x2..x4
+        out = target.generate(PROMPT, do_sample=True, max_new_tokens=5, assistant_model=drafter, **sampling)
+        samples.append(tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + N_TOKENS].tolist()))
+    return samples
+
+
+def setup_models():
+    target = make_target(vocab_size=VOCAB, seed=3)
+    drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="threshold", confidence_threshold=0.3)
+    return target, drafter
+
+
+def run_check(n, temperature=1.0, top_k=None, top_p=None):
+    target, drafter = setup_models()
+    probs = exact_joint(target, warpers(temperature, top_k, top_p))
+    torch.manual_seed(1234)
+    sampling = {"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0}
+    samples = draw(target, drafter, n, **sampling)
+    return chi_square_rejects(samples, probs), drafter
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)])
+def test_sampling_matches_target_distribution(sampling):
+    (rejects, stat, critical), drafter = run_check(1500, **sampling)
+    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: DSpark sampling differs from the target's distribution"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=1.0), dict(temperature=0.7), dict(top_k=2), dict(top_p=0.8)]
+)
+def test_sampling_matches_target_distribution_many_samples(sampling):
+    (rejects, stat, critical), _ = run_check(6000, **sampling)
+    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}"
+
+
+@pytest.mark.slow
+def test_negative_control_unbiased_logits_are_detected():
+    """Reporting softmax(U) instead of softmax(U + B) for tokens drawn from softmax(U + B) must be caught."""
+    target, drafter = setup_models()
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.mul_(6.0)  # a strong bias makes the error large
+    original = drafter.sample_block
+
+    def wrong_logits(hidden_states, sequence_ids, lm_head, *args, **kwargs):
+        draft = original(hidden_states, sequence_ids, lm_head, *args, **kwargs)
+        n = draft.logits.shape[1]
+        draft.logits = drafter.base_logits(hidden_states[:, :n], lm_head)  # the bias is missing: wrong q
+        return draft
+
+    drafter.sample_block = wrong_logits
+    probs = exact_joint(target, warpers())
+    torch.manual_seed(1234)
+    rejects, stat, critical = chi_square_rejects(draw(target, drafter, 3000), probs)
+    assert rejects, f"the test failed to notice a wrong draft distribution (chi2 {stat:.1f} <= {critical:.1f})"
