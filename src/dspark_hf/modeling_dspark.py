@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -184,11 +185,12 @@ class DSparkPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, DSparkDraftModel) and module.mask_embedding is not None:
-            nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
-        if hasattr(module, "markov_w2"):
+        if module is self and getattr(self, "mask_embedding", None) is not None:
+            init.normal_(self.mask_embedding, std=self.config.initializer_range)
+        head = getattr(self, "markov_head", None)
+        if head is not None and module is head.markov_w2:
             # The sequential bias starts at zero so that an untrained head leaves the backbone's logits unchanged.
-            nn.init.zeros_(module.markov_w2.weight)
+            init.zeros_(module.weight)
 
 
 class DSparkDraftModel(DSparkPreTrainedModel):

@@ -1,0 +1,94 @@
+"""Verify-length policies: Algorithm 1 (prefix schedule with early stop), its incremental form, thresholds."""
+
+import pytest
+
+from dspark_hf import DSparkConfig
+from dspark_hf.scheduler import PrefixAdmission, build_admission, prefix_schedule, threshold_admission
+
+
+def test_flat_sps_admits_the_whole_block():
+    assert prefix_schedule([[0.9, 0.8, 0.7], [0.5, 0.5]], {b: 10.0 for b in range(1, 10)}) == [3, 2]
+
+
+def test_steep_sps_admits_nothing():
+    # compute-bound: SPS ~ 1/B, so every extra token costs more than any survival < 1 gains
+    assert prefix_schedule([[0.9, 0.9], [0.8]], lambda b: 1.0 / b) == [0, 0]
+
+
+def test_greedy_order_across_requests():
+    # B = 2 requests; survivals r0: 0.9, 0.45; r1: 0.6. With SPS(B) = 1 for B <= 4 and tiny after, the two best
+    # candidates (0.9 of r0, 0.6 of r1) are admitted before the budget ends.
+    sps = {2: 1.0, 3: 1.0, 4: 1.0, 5: 0.1}
+    assert prefix_schedule([[0.9, 0.5], [0.6]], sps) == [1, 1]
+
+
+def test_early_stop_at_the_first_non_improvement():
+    # Θ(B=1) = 1.0; admitting 0.8 gives 1.8 * 0.5 = 0.9 < 1.0 -> stop, even though a later candidate could win.
+    sps = {1: 1.0, 2: 0.5, 3: 0.45}
+    assert prefix_schedule([[0.8, 1.0]], sps) == [0]
+
+
+def test_sps_lookup_rounds_up_and_rejects_unprofiled_sizes():
+    assert prefix_schedule([[0.9]], {1: 1.0, 4: 1.0}) == [1]  # B = 2 looks up the profiled 4
+    with pytest.raises(ValueError, match="covers verify batches up to"):
+        prefix_schedule([[0.99, 0.99, 0.99]], {1: 1.0, 2: 1.0})
+
+
+def test_confidences_must_be_probabilities():
+    with pytest.raises(ValueError, match="not a probability"):
+        prefix_schedule([[1.5]], {1: 1.0, 2: 1.0})
+
+
+def test_incremental_admission_equals_prefix_schedule_for_one_request():
+    sps = {1: 31.0, 2: 28.0, 3: 26.0, 4: 20.0, 5: 19.0, 6: 18.5, 7: 17.0, 8: 16.5}
+    for conf in ([0.9, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4], [0.3, 0.9, 0.9], [0.99] * 7, [0.05]):
+        admit, survival, length = PrefixAdmission(sps), 1.0, 0
+        for k, c in enumerate(conf, start=1):
+            survival *= c
+            if not admit(k, survival):
+                break
+            length = k
+        assert [length] == prefix_schedule([conf], sps)
+
+
+def test_appendix_a_counterexample_global_search_skews_the_distribution():
+    """DSpark App. A: γ = 2, SPS = (1.0, 0.5, 0.45), a_1 = 0.8, p_t = (0.7, 0.3), p_d = (0.5, 0.5).
+
+    c_2 is high after draft A and low after draft B. A retrospective global search over ℓ verifies both drafts
+    after A and none after B, so the first token comes out A with probability 0.85; the early-stop schedule never
+    looks at c_2 and keeps the target's 0.7.
+    """
+    p_t, p_d, sps = {"A": 0.7, "B": 0.3}, {"A": 0.5, "B": 0.5}, {1: 1.0, 2: 0.5, 3: 0.45}
+    c2 = {"A": 0.95, "B": 0.05}
+
+    def global_search(conf):
+        a1, a2 = conf[0], conf[0] * conf[1]
+        thetas = {0: 1.0 * sps[1], 1: (1 + a1) * sps[2], 2: (1 + a1 + a2) * sps[3]}
+        return max(thetas, key=thetas.get)
+
+    def first_token_distribution(schedule) -> float:
+        prob_a = 0.0
+        for x1 in ("A", "B"):
+            length = schedule([0.8, c2[x1]])
+            if length == 0:  # nothing verified: the target samples the first token itself
+                prob_a += p_d[x1] * p_t["A"]
+            elif x1 == "A":  # accepted with probability min(1, p_t/p_d) = 1
+                prob_a += p_d[x1] * min(1.0, p_t["A"] / p_d["A"])
+            else:  # B accepted w.p. 0.3/0.5, else the residual max(0, p_t - p_d) puts all mass on A
+                accept_b = min(1.0, p_t["B"] / p_d["B"])
+                prob_a += p_d[x1] * (1 - accept_b)
+        return prob_a
+
+    assert first_token_distribution(global_search) == pytest.approx(0.85)
+    assert first_token_distribution(lambda conf: prefix_schedule([conf], sps)[0]) == pytest.approx(0.7)
+
+
+def test_threshold_and_build_admission():
+    admit = threshold_admission(0.5)
+    assert admit(1, 0.6) and not admit(2, 0.4)
+    assert build_admission(DSparkConfig(verify_policy="fixed")) is None
+    assert build_admission(DSparkConfig(confidence_head=False)) is None
+    assert build_admission(DSparkConfig(verify_policy="threshold", confidence_threshold=0.3))(1, 0.31)
+    with pytest.raises(ValueError, match="steps-per-second profile"):
+        build_admission(DSparkConfig(verify_policy="scheduler"))
+    assert isinstance(build_admission(DSparkConfig(verify_policy="scheduler"), {1: 1.0, 2: 1.0}), PrefixAdmission)
