@@ -270,7 +270,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             Positions of the new context entries followed by the block slots (slot j of a block anchored at
             position a sits at a + j). Default: continue after what `cache` holds.
         attention_mask (`torch.Tensor` of shape `(batch_size, 1, block_len, total_kv_len)`, *optional*):
-            Additive or boolean mask over all keys (cached + new context + block). `None` lets every slot see
+            Boolean (True = visible) or additive float mask over all keys (cached + new context + block). `None` lets every slot see
             every key, which is the inference pattern (context < anchor, the whole own block).
         cache (`Cache`, *optional*): the drafter's context cache; the caller crops the block entries afterwards.
         """
@@ -284,6 +284,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if position_ids.shape[-1] != new_len:
             raise ValueError(f"`position_ids` must cover context + block ({new_len} positions), got {position_ids.shape}.")
         hidden_states = noise_embeds.to(self.fc.weight.dtype)
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            # eager attention adds the mask to the scores: turn "visible" booleans into 0 / most-negative floats
+            attention_mask = torch.zeros_like(attention_mask, dtype=hidden_states.dtype).masked_fill(
+                ~attention_mask, torch.finfo(hidden_states.dtype).min
+            )
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
             hidden_states = layer(

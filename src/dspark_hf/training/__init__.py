@@ -1,0 +1,15 @@
+"""Training DSpark drafters: anchors and block masks (`data`), the DSpark loss (`loss`)."""
+
+from .data import BlockBatch, block_attention_mask, make_blocks, sample_anchors
+from .loss import DSparkLossOutput, dspark_loss, position_weights
+
+
+__all__ = [
+    "BlockBatch",
+    "block_attention_mask",
+    "make_blocks",
+    "sample_anchors",
+    "DSparkLossOutput",
+    "dspark_loss",
+    "position_weights",
+]

@@ -1,0 +1,65 @@
+"""The DSpark training loss: L = α_ce·CE + α_tv·L1(p_d, p_t) + α_conf·BCE(c, c*), position-weighted means.
+
+Following DeepSpec's loss (DSpark paper Eqs. 9-12): the draft distribution p_d includes the teacher-forced
+sequential bias; p_t is the target's T = 1 distribution at the same position; the confidence target is the analytic
+acceptance rate c* = 1 - ½‖p_d - p_t‖₁, clamped and detached; w_k = exp(-(k-1)/decay) with decay 4.0 for γ = 7.
+Each term is Σ w·loss / Σ w over supervised positions (weighted means, not sums).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(block_size: int, decay: float = 4.0) -> torch.Tensor:
+    """w_k = exp(-(k-1)/decay) for k = 1..γ: (γ,)."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
+
+
+@dataclass
+class DSparkLossOutput:
+    loss: torch.Tensor
+    ce: torch.Tensor
+    tv: torch.Tensor
+    conf: torch.Tensor
+    accuracy: torch.Tensor  # (γ,) top-1 agreement with the label per position (for logging)
+    accept_rate: torch.Tensor  # (γ,) mean analytic acceptance c* per position
+
+
+def dspark_loss(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    confidence_logits: torch.Tensor | None = None,
+    decay: float = 4.0,
+    alpha_ce: float = 0.1,
+    alpha_tv: float = 0.9,
+    alpha_conf: float = 1.0,
+) -> DSparkLossOutput:
+    """draft_logits, target_logits (..., γ, V); labels, valid (..., γ); confidence_logits (..., γ) or None."""
+    gamma = draft_logits.shape[-2]
+    weights = position_weights(gamma, decay).to(draft_logits.device) * valid.float()  # (..., γ)
+    denom = weights.sum().clamp(min=1e-8)
+    log_pd = F.log_softmax(draft_logits.float(), dim=-1)
+    ce = -log_pd.gather(-1, labels[..., None]).squeeze(-1)  # (..., γ)
+    zero = draft_logits.new_zeros(())
+    tv = l1 = zero
+    if alpha_tv or confidence_logits is not None:
+        l1 = (log_pd.exp() - F.softmax(target_logits.float(), dim=-1)).abs().sum(-1)  # (..., γ), = 2·TV
+        tv = (weights * l1).sum() / denom
+    conf = zero
+    accept = (1 - 0.5 * l1).clamp(0, 1).detach() if confidence_logits is not None else None
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
+        conf = (weights * bce).sum() / denom
+    ce_mean = (weights * ce).sum() / denom
+    loss = alpha_ce * ce_mean + alpha_tv * tv + alpha_conf * conf
+    with torch.no_grad():
+        flat_valid = valid.reshape(-1, gamma).float()
+        hits = (draft_logits.argmax(-1) == labels).reshape(-1, gamma).float()
+        count = flat_valid.sum(0).clamp(min=1)
+        accuracy = (hits * flat_valid).sum(0) / count
+        rate = (accept.reshape(-1, gamma) * flat_valid).sum(0) / count if accept is not None else accuracy * 0
+    return DSparkLossOutput(loss=loss, ce=ce_mean, tv=tv, conf=conf, accuracy=accuracy, accept_rate=rate)

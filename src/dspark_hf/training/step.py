@@ -1,0 +1,52 @@
+"""One online training step: target features on the fly (no offline cache), all blocks in one drafter pass."""
+
+import torch
+
+from .data import BlockBatch, make_blocks
+from .loss import DSparkLossOutput, dspark_loss
+
+
+def freeze(target):
+    """The target (and so the borrowed embedding and LM head) is never trained: no gradients, eval mode."""
+    target.requires_grad_(False)
+    return target.eval()
+
+
+@torch.no_grad()
+def target_features(target, input_ids: torch.LongTensor, layer_ids: list[int]):
+    """Raw outputs of the tapped layers (B, L, m·d) and the final post-norm hidden state (B, L, d)."""
+    taps = [i + 1 for i in layer_ids]  # entry 0 of hidden_states is the embedding output
+    out = target.base_model(input_ids=input_ids, output_hidden_states=taps + [-1], use_cache=False)
+    states = out.hidden_states
+    return torch.cat([states[i] for i in taps], dim=-1), out.last_hidden_state
+
+
+def drafter_block_hidden(drafter, features, input_ids, blocks: BlockBatch, embed_tokens) -> torch.Tensor:
+    """Backbone output of every block, all in one pass with the training mask: (B, N, γ, d)."""
+    gamma = drafter.config.block_size
+    bsz, n = blocks.anchors.shape
+    noise = drafter.block_input_embeds(torch.gather(input_ids, 1, blocks.anchors), embed_tokens)  # (B, N·γ, d)
+    out = drafter(
+        noise_embeds=noise,
+        context_hidden_states=features,
+        position_ids=blocks.position_ids,
+        attention_mask=blocks.attention_mask,
+    )
+    return out.last_hidden_state.view(bsz, n, gamma, -1)  # (B, N, γ, d)
+
+
+def training_loss(drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, **loss_kwargs):
+    """DSpark loss of one batch. input_ids, loss_mask (B, L). Returns a `DSparkLossOutput`."""
+    config = drafter.config
+    blocks = make_blocks(input_ids, loss_mask, config.block_size, num_anchors, generator)
+    features, last_hidden = target_features(target, input_ids, config.target_layer_ids)
+    lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
+    hidden = drafter_block_hidden(drafter, features, input_ids, blocks, embed)
+    draft_logits = drafter.block_logits(hidden, blocks.prev_ids, lm_head)  # (B, N, γ, V)
+    with torch.no_grad():
+        pos = blocks.label_positions.flatten(1)  # (B, N·γ)
+        picked = torch.gather(last_hidden, 1, pos[..., None].expand(-1, -1, last_hidden.shape[-1]))
+        target_logits = drafter.base_logits(picked, lm_head).view_as(draft_logits)
+    conf = drafter.confidence_logits(hidden.flatten(1, 2), blocks.prev_ids.flatten(1))
+    conf = conf.view_as(blocks.labels) if conf is not None else None
+    return dspark_loss(draft_logits, target_logits, blocks.labels, blocks.valid, conf, **loss_kwargs)

@@ -1,0 +1,109 @@
+"""Training pieces: anchors, the block mask (training pass == inference pass), labels, and the DSpark loss."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import make_drafter
+from dspark_hf.training import dspark_loss, make_blocks, position_weights, sample_anchors
+from dspark_hf.training.step import drafter_block_hidden, freeze, target_features, training_loss
+
+
+def test_anchors_lie_inside_the_loss_mask():
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[0, 5:15] = True
+    mask[1, 18:] = True  # only one candidate: 18 (19 is last)
+    anchors, valid = sample_anchors(mask, 6, torch.Generator().manual_seed(0))
+    assert valid[0].all() and valid[1].sum() == 1
+    a0 = anchors[0]
+    assert len(set(a0.tolist())) == 6 and ((a0 >= 5) & (a0 <= 13)).all()
+    assert anchors[1, 0] == 18
+
+
+def test_block_labels_and_cumulative_validity():
+    ids = torch.arange(10)[None] + 10
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    mask[0, 7] = False
+    blocks = make_blocks(ids, mask, block_size=4, num_anchors=9, generator=torch.Generator().manual_seed(0))
+    n_valid = 7  # anchors need positions a and a + 1 in the mask: 0..5 and 8
+    assert blocks.valid[0, n_valid:].sum() == 0
+    for n, a in enumerate(blocks.anchors[0, :n_valid].tolist()):
+        assert blocks.prev_ids[0, n, 0] == ids[0, a]
+        for k in range(4):
+            pos = a + k + 1
+            inside = all(p < 10 and p != 7 for p in range(a + 1, pos + 1))
+            assert bool(blocks.valid[0, n, k]) == inside
+            if pos < 10:
+                assert blocks.labels[0, n, k] == ids[0, pos]
+                assert blocks.label_positions[0, n, k] == pos - 1
+
+
+@torch.no_grad()
+def test_training_pass_equals_inference_pass_per_block(target):
+    """All blocks at once under the training mask give exactly what inference gives for each block alone."""
+    drafter = make_drafter(target)
+    ids = torch.randint(0, 99, (1, 16))
+    blocks = make_blocks(ids, torch.ones(1, 16, dtype=torch.bool), 4, 5, torch.Generator().manual_seed(1))
+    feats, _ = target_features(target, ids, drafter.config.target_layer_ids)
+    embed = target.get_input_embeddings()
+    hidden = drafter_block_hidden(drafter, feats, ids, blocks, embed)
+    for n, a in enumerate(blocks.anchors[0].tolist()):
+        cache = DynamicCache()
+        noise = drafter.block_input_embeds(ids[:, a : a + 1], embed)
+        ref = drafter(noise_embeds=noise, context_hidden_states=feats[:, :a] if a else None,
+                      position_ids=torch.arange(0, a + 4)[None], cache=cache).last_hidden_state
+        torch.testing.assert_close(hidden[0, n], ref[0], atol=1e-5, rtol=1e-5)
+
+
+def test_position_weights_decay_4():
+    w = position_weights(7, 4.0)
+    assert w[0] == 1.0 and w[4] == pytest.approx(math.exp(-1.0))
+
+
+def test_loss_terms_on_hand_made_distributions():
+    # one block of γ = 2 over V = 3; the second position is not supervised
+    draft = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.2, 0.2, 0.6]]]))
+    target = torch.log(torch.tensor([[[0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]]))
+    labels = torch.tensor([[1, 2]])
+    valid = torch.tensor([[True, False]])
+    conf = torch.tensor([[0.0, 5.0]])
+    out = dspark_loss(draft, target, labels, valid, conf)
+    assert out.ce.item() == pytest.approx(-math.log(0.25))
+    assert out.tv.item() == pytest.approx(0.5)  # |0.5-0.25| + |0.25-0.5| + 0
+    c_star = 1 - 0.25
+    bce = -(c_star * math.log(0.5) + (1 - c_star) * math.log(0.5))
+    assert out.conf.item() == pytest.approx(bce)
+    assert out.loss.item() == pytest.approx(0.1 * out.ce.item() + 0.9 * 0.5 + bce)
+    assert out.accept_rate[0].item() == pytest.approx(0.75)
+
+
+def test_weighted_mean_normalisation():
+    draft = torch.zeros(1, 2, 4)
+    target = torch.zeros(1, 2, 4)
+    labels = torch.zeros(1, 2, dtype=torch.long)
+    both = dspark_loss(draft, target, labels, torch.tensor([[True, True]]))
+    assert both.ce.item() == pytest.approx(math.log(4))  # same per-position loss: the weighted mean is that loss
+
+
+def test_training_step_updates_drafter_and_leaves_target_alone(target):
+    drafter = make_drafter(target).train()
+    freeze(target)
+    before = {k: v.clone() for k, v in drafter.named_parameters()}
+    target_before = {k: v.clone() for k, v in target.named_parameters()}
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    ids = torch.randint(0, 99, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    losses = []
+    for _ in range(2):
+        out = training_loss(drafter, target, ids, mask, num_anchors=6, generator=torch.Generator().manual_seed(0))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    assert all(math.isfinite(x) for x in losses)
+    for name, p in drafter.named_parameters():
+        assert not torch.equal(before[name], p), f"{name} did not change"
+    for name, p in target.named_parameters():
+        assert torch.equal(target_before[name], p) and p.grad is None
