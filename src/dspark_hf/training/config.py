@@ -1,0 +1,89 @@
+"""`DSparkTrainingConfig`: one typed config for `dspark-hf train`, from JSON/YAML files plus CLI overrides."""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class DSparkTrainingConfig:
+    """Settings of one training run, grouped by concern.
+
+    Data: `data` (a token dataset written by `dspark-hf data`, `.npz`), `seq_len`, `batch_size`, `num_anchors`.
+    Drafter: `drafter_config` (a hub_configs JSON, optional) or the shape fields `num_hidden_layers`, `block_size`,
+        `markov_rank`, `sequential_head`, `confidence_head`.
+    Optimisation: AdamW (`learning_rate`, `weight_decay`), `warmup_ratio` then cosine decay to 0 over `max_steps`,
+        `grad_clip`, `mixed_precision` ("no" or "bf16").
+    Loss: `alpha_ce`, `alpha_tv`, `alpha_conf`, `loss_decay` (DeepSpec: 0.1 / 0.9 / 1.0, decay 4.0).
+    Run: `output_dir`, `save_every`, `log_every`, `seed`, `target` (a model path; None = the embedded default).
+    """
+
+    data: str = field(default="", metadata={"help": "token dataset (.npz) from `dspark-hf data`"})
+    output_dir: str = field(default="runs/dspark", metadata={"help": "checkpoints and logs go here"})
+    target: str | None = field(default=None, metadata={"help": "target model path (default: embedded SmolLM2)"})
+    drafter_config: str | None = field(default=None, metadata={"help": "DSparkConfig JSON (e.g. hub_configs/*.json)"})
+    num_hidden_layers: int = field(default=2, metadata={"help": "draft layers"})
+    block_size: int = field(default=7, metadata={"help": "γ: draft tokens per block"})
+    markov_rank: int = field(default=64, metadata={"help": "rank of the sequential head"})
+    sequential_head: str = field(default="markov", metadata={"help": "markov | gated_markov | rnn | none (DFlash)"})
+    confidence_head: bool = field(default=True, metadata={"help": "train a confidence head"})
+    seq_len: int = field(default=512, metadata={"help": "training sequence length (longer ones are cropped)"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per step and process"})
+    num_anchors: int = field(default=64, metadata={"help": "blocks per sequence"})
+    learning_rate: float = field(default=6e-4, metadata={"help": "peak AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_ratio: float = field(default=0.04, metadata={"help": "linear warm-up share of max_steps"})
+    max_steps: int = field(default=1000, metadata={"help": "optimiser steps"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clipping"})
+    mixed_precision: str = field(default="no", metadata={"help": "no | bf16"})
+    alpha_ce: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term"})
+    alpha_tv: float = field(default=0.9, metadata={"help": "weight of the L1 (2·TV) term"})
+    alpha_conf: float = field(default=1.0, metadata={"help": "weight of the confidence BCE term"})
+    loss_decay: float = field(default=4.0, metadata={"help": "position weights exp(-(k-1)/decay)"})
+    save_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})
+    log_every: int = field(default=10, metadata={"help": "log every N steps"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
+
+    def __post_init__(self):
+        for name in ("block_size", "batch_size", "num_anchors", "max_steps", "seq_len", "save_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"`mixed_precision` must be 'no' or 'bf16', got {self.mixed_precision!r}.")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"`warmup_ratio` must lie in [0, 1), got {self.warmup_ratio}.")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "DSparkTrainingConfig":
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"Unknown training option(s) {unknown}; valid options: {sorted(known)}.")
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "DSparkTrainingConfig":
+        """Load JSON or YAML (`.yaml`/`.yml`), then apply `key=value` overrides (values parsed as JSON if they can be)."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            text = Path(path).read_text(encoding="utf-8")
+            if str(path).endswith((".yaml", ".yml")):
+                import yaml
+
+                values = yaml.safe_load(text) or {}
+            else:
+                values = json.loads(text)
+        for item in overrides or []:
+            if "=" not in item:
+                raise ValueError(f"Override {item!r} must look like key=value.")
+            key, raw = item.split("=", 1)
+            try:
+                values[key] = json.loads(raw)
+            except json.JSONDecodeError:
+                values[key] = raw
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

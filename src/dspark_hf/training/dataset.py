@@ -1,0 +1,63 @@
+"""Compact token datasets: every sequence's ids in one flat array plus offsets, stored as `.npz`.
+
+Fields: `tokens` (uint16 when the vocabulary fits, else uint32), `offsets` (int64, n + 1), `loss_start` (int32, n:
+the first position of the supervised response; prompts are context only). A few MB hold a million tokens.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class TokenDataset:
+    """Sequences of token ids with a loss mask that starts at `loss_start[i]`."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, loss_start: np.ndarray):
+        if offsets.ndim != 1 or len(offsets) != len(loss_start) + 1 or offsets[-1] != len(tokens):
+            raise ValueError("Inconsistent token dataset: offsets must have n + 1 entries ending at len(tokens).")
+        self.tokens, self.offsets, self.loss_start = tokens, offsets.astype(np.int64), loss_start.astype(np.int32)
+
+    @classmethod
+    def from_sequences(cls, sequences: list[list[int]], loss_starts: list[int]) -> "TokenDataset":
+        lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+        flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences]) if sequences else np.zeros(0)
+        dtype = np.uint16 if flat.size == 0 or flat.max() < 2**16 else np.uint32
+        return cls(flat.astype(dtype), np.concatenate([[0], np.cumsum(lengths)]), np.asarray(loss_starts))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TokenDataset":
+        with np.load(path, allow_pickle=False) as f:
+            return cls(f["tokens"], f["offsets"], f["loss_start"])
+
+    def save(self, path: str | Path) -> None:
+        """Atomic: written to a temporary name, then renamed."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(tmp, tokens=self.tokens, offsets=self.offsets, loss_start=self.loss_start)
+        tmp.replace(path)
+
+    def __len__(self) -> int:
+        return len(self.loss_start)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def sequence(self, i: int) -> tuple[np.ndarray, int]:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]].astype(np.int64), int(self.loss_start[i])
+
+    def batch(self, indices, seq_len: int, generator: torch.Generator | None = None):
+        """(input_ids, loss_mask), each (B, seq_len). Long sequences are cropped to a random window (so long
+        responses are trained to the end); short ones are right-padded (padding is outside the loss mask)."""
+        ids = torch.zeros(len(indices), seq_len, dtype=torch.long)
+        mask = torch.zeros(len(indices), seq_len, dtype=torch.bool)
+        for row, i in enumerate(indices):
+            seq, start = self.sequence(int(i))
+            offset = 0
+            if len(seq) > seq_len:
+                offset = int(torch.randint(0, len(seq) - seq_len + 1, (1,), generator=generator))
+            piece = seq[offset : offset + seq_len]
+            ids[row, : len(piece)] = torch.from_numpy(piece)
+            mask[row, max(start - offset, 0) : len(piece)] = True
+        return ids, mask

@@ -1,0 +1,173 @@
+"""The training loop: forward -> loss -> backward -> clip -> step -> schedule -> log -> checkpoint, on accelerate.
+
+Online: the target stays resident and computes features on the fly, so no multi-TB feature cache is needed. One CPU
+process or `accelerate launch` with several. Checkpoints are atomic (a finished folder is renamed into place, then
+the `latest` pointer is replaced); `resume=True` continues from the newest one with the same batches it would
+have seen, because batch sampling is seeded by (seed, step, rank).
+"""
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers.utils import logging
+
+from ..configuration_dspark import DSparkConfig
+from ..modeling_dspark import DSparkDraftModel
+from .config import DSparkTrainingConfig
+from .dataset import TokenDataset
+from .step import freeze, training_loss
+
+
+logger = logging.get_logger(__name__)
+KEEP_CHECKPOINTS = 2
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_drafter(config: DSparkTrainingConfig, target) -> DSparkDraftModel:
+    if config.drafter_config:
+        fields = json.loads(Path(config.drafter_config).read_text())
+        fields.pop("model_type", None)
+        drafter_config = DSparkConfig(**fields)
+        drafter_config.check_target(target.config)
+    else:
+        drafter_config = DSparkConfig.for_target(
+            target.config,
+            num_hidden_layers=config.num_hidden_layers,
+            block_size=config.block_size,
+            markov_rank=config.markov_rank,
+            sequential_head=config.sequential_head,
+            confidence_head=config.confidence_head,
+            confidence_with_markov=config.confidence_head and config.sequential_head != "none",
+        )
+    torch.manual_seed(config.seed)
+    return DSparkDraftModel(drafter_config)
+
+
+class DSparkTrainer:
+    """Trains a DSpark drafter for `target` on a `TokenDataset`; see `DSparkTrainingConfig` for the knobs."""
+
+    def __init__(self, config: DSparkTrainingConfig, target, dataset: TokenDataset | None = None, drafter=None):
+        self.config = config
+        self.accelerator = Accelerator(mixed_precision=config.mixed_precision)
+        self.dataset = dataset if dataset is not None else TokenDataset.load(config.data)
+        self.target = freeze(target).to(self.accelerator.device)
+        drafter = drafter if drafter is not None else build_drafter(config, target)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+        warmup = max(1, int(config.warmup_ratio * config.max_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, config.max_steps))
+        self.drafter, self.optimizer = self.accelerator.prepare(drafter.train(), optimizer)
+        self.scheduler = scheduler
+        self.step = 0
+        self.output_dir = Path(config.output_dir)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Atomically write `checkpoint-<step>/` (safetensors weights, optimizer, scheduler, state) and `latest`."""
+        final = self.output_dir / f"checkpoint-{self.step}"
+        if self.accelerator.is_main_process:
+            tmp = self.output_dir / f".checkpoint-{self.step}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.accelerator.unwrap_model(self.drafter).save_pretrained(tmp)
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "config": self.config.to_dict()}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            pointer = self.output_dir / ".latest.tmp"
+            pointer.write_text(final.name)
+            os.replace(pointer, self.output_dir / "latest")
+            self._prune_checkpoints()
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def _prune_checkpoints(self) -> None:
+        done = sorted(self.output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        for old in done[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint, if any. Returns whether one was found."""
+        pointer = self.output_dir / "latest"
+        if not pointer.is_file():
+            return False
+        folder = self.output_dir / pointer.read_text().strip()
+        loaded = DSparkDraftModel.from_pretrained(folder)
+        self.accelerator.unwrap_model(self.drafter).load_state_dict(loaded.state_dict())
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        self.step = json.loads((folder / "trainer_state.json").read_text())["step"]
+        logger.info(f"Resumed from {folder} at step {self.step}.")
+        return True
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+
+    def batch_for(self, step: int):
+        """The batch of `step` on this rank: a pure function of (seed, step, rank), so resuming replays nothing."""
+        rank = self.accelerator.process_index
+        gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 131 + rank)
+        indices = torch.randint(0, len(self.dataset), (self.config.batch_size,), generator=gen)
+        ids, mask = self.dataset.batch(indices.tolist(), self.config.seq_len, gen)
+        return ids.to(self.accelerator.device), mask.to(self.accelerator.device), gen
+
+    def train_step(self) -> dict:
+        cfg = self.config
+        ids, mask, gen = self.batch_for(self.step)
+        with self.accelerator.autocast():
+            out = training_loss(
+                self.accelerator.unwrap_model(self.drafter) if self.accelerator.num_processes == 1 else self.drafter,
+                self.target, ids, mask, cfg.num_anchors, gen, decay=cfg.loss_decay,
+                alpha_ce=cfg.alpha_ce, alpha_tv=cfg.alpha_tv, alpha_conf=cfg.alpha_conf,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accelerator.backward(out.loss)
+        grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return {
+            "step": self.step,
+            "loss": out.loss.item(),
+            "ce": out.ce.item(),
+            "tv": out.tv.item(),
+            "conf": out.conf.item(),
+            "grad_norm": float(grad_norm),
+            "lr": self.scheduler.get_last_lr()[0],
+            "accuracy": [round(a, 4) for a in out.accuracy.tolist()],
+            "accept_rate": [round(a, 4) for a in out.accept_rate.tolist()],
+        }
+
+    def train(self, resume: bool = False, stop_after: int | None = None) -> DSparkDraftModel:
+        """Run to `max_steps` (or stop after `stop_after` more steps, e.g. to fit a time budget, with a checkpoint)."""
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self.resume()
+        log_path = self.output_dir / "log.jsonl"
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", disable=not self.accelerator.is_main_process)
+        last = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.step + stop_after)
+        while self.step < last:
+            record = self.train_step()
+            bar.update(1)
+            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=record["accuracy"][0])
+                if self.accelerator.is_main_process:
+                    with open(log_path, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(record) + "\n")
+            if self.step % cfg.save_every == 0 or self.step == last:
+                self.save_checkpoint()
+        bar.close()
+        return self.accelerator.unwrap_model(self.drafter).eval()

@@ -1,0 +1,70 @@
+"""The training loop: config files and overrides, atomic checkpoints, and resume that replays nothing."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_target
+from dspark_hf.training.config import DSparkTrainingConfig
+from dspark_hf.training.dataset import TokenDataset
+from dspark_hf.training.trainer import DSparkTrainer, lr_factor
+
+
+def tiny_dataset(n=12):
+    gen = np.random.default_rng(0)
+    seqs = [gen.integers(0, 99, size=int(gen.integers(10, 40))).tolist() for _ in range(n)]
+    return TokenDataset.from_sequences(seqs, [3] * n)
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "run"), num_hidden_layers=1, block_size=3, markov_rank=8, seq_len=24,
+                batch_size=2, num_anchors=4, max_steps=4, save_every=2, log_every=1, learning_rate=1e-2)
+    base.update(kw)
+    return DSparkTrainingConfig(**base)
+
+
+def test_config_from_file_with_overrides_and_unknown_keys(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"block_size": 5, "learning_rate": 1e-3}))
+    cfg = DSparkTrainingConfig.from_file(path, ["max_steps=7", "sequential_head=rnn"])
+    assert (cfg.block_size, cfg.max_steps, cfg.sequential_head, cfg.learning_rate) == (5, 7, "rnn", 1e-3)
+    with pytest.raises(ValueError, match="Unknown training option"):
+        DSparkTrainingConfig.from_file(None, ["blok_size=3"])
+    with pytest.raises(ValueError, match="batch_size"):
+        DSparkTrainingConfig(batch_size=0)
+
+
+def test_dataset_roundtrip_and_batches(tmp_path):
+    ds = tiny_dataset()
+    ds.save(tmp_path / "d.npz")
+    back = TokenDataset.load(tmp_path / "d.npz")
+    assert back.tokens.dtype == np.uint16 and np.array_equal(back.tokens, ds.tokens) and len(back) == 12
+    ids, mask = back.batch([0, 1], seq_len=48, generator=torch.Generator().manual_seed(0))
+    n0 = len(ds.sequence(0)[0])
+    assert ids.shape == mask.shape == (2, 48) and not mask[:, :3].any()
+    assert mask[0, 3:n0].all() and not mask[0, n0:].any() and ids[0, :n0].tolist() == ds.sequence(0)[0].tolist()
+    ids, mask = back.batch([0], seq_len=8, generator=torch.Generator().manual_seed(0))  # cropped window
+    assert ids.shape == (1, 8)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_factor(0, 4, 100) == 0.25 and lr_factor(3, 4, 100) == 1.0
+    assert lr_factor(100, 4, 100) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_resume_continues_exactly(tmp_path):
+    target = make_target()
+    straight = DSparkTrainer(config(tmp_path / "a"), target, tiny_dataset()).train()
+    first = DSparkTrainer(config(tmp_path / "b"), target, tiny_dataset())
+    first.train(stop_after=2)  # as if killed after the step-2 checkpoint
+    assert (tmp_path / "b/run/latest").read_text() == "checkpoint-2"
+    resumed = DSparkTrainer(config(tmp_path / "b"), target, tiny_dataset())
+    final = resumed.train(resume=True)
+    assert resumed.step == 4
+    for (name, a), (_, b) in zip(straight.state_dict().items(), final.state_dict().items()):
+        assert torch.equal(a, b), name
+    logged = [json.loads(line) for line in (tmp_path / "a/run/log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in logged)
+    assert sorted(p.name for p in (tmp_path / "a/run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
