@@ -68,3 +68,18 @@ def test_resume_continues_exactly(tmp_path):
     logged = [json.loads(line) for line in (tmp_path / "a/run/log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in logged)
     assert sorted(p.name for p in (tmp_path / "a/run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_train_cli_runs_and_resumes(tmp_path):
+    from dspark_hf.cli import main
+
+    target = make_target()
+    target.save_pretrained(tmp_path / "target")
+    tiny_dataset().save(tmp_path / "data.npz")
+    args = ["train", "--set", f"data={tmp_path / 'data.npz'}", f"target={tmp_path / 'target'}",
+            f"output_dir={tmp_path / 'run'}", "num_hidden_layers=1", "block_size=3", "markov_rank=8", "seq_len=24",
+            "batch_size=2", "num_anchors=4", "max_steps=3", "save_every=1"]
+    assert main(args + ["--stop-after", "2"]) == 0
+    assert (tmp_path / "run/latest").read_text() == "checkpoint-2"
+    assert main(args + ["--resume"]) == 0
+    assert (tmp_path / "run/latest").read_text() == "checkpoint-3"

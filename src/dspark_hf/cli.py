@@ -63,6 +63,25 @@ def cmd_bench(args) -> int:
     return 0 if result["all_identical"] else 1
 
 
+def cmd_train(args) -> int:
+    from .training.config import DSparkTrainingConfig
+    from .training.trainer import DSparkTrainer
+
+    config = DSparkTrainingConfig.from_file(args.config, args.set)
+    if config.target is None:
+        from .default import load_default_target
+
+        target, _ = load_default_target()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(config.target, dtype=torch.float32)
+    trainer = DSparkTrainer(config, target)
+    drafter = trainer.train(resume=args.resume, stop_after=args.stop_after)
+    print(f"step {trainer.step}/{config.max_steps}; checkpoints in {config.output_dir}")
+    return 0 if drafter is not None else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", help="write per-prompt and summary results here")
     add_models(bench)
     bench.set_defaults(func=cmd_bench)
+
+    train = sub.add_parser("train", help="train a DSpark drafter (online target features; accelerate-ready)")
+    train.add_argument("--config", help="training config (JSON or YAML); see DSparkTrainingConfig")
+    train.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    train.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N more steps")
+    train.set_defaults(func=cmd_train)
     return parser
 
 
