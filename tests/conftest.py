@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel
 
 

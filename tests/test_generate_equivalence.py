@@ -4,11 +4,10 @@ import math
 
 import pytest
 import torch
+from conftest import make_drafter, make_target
+from helpers import char_tokenizer, pin_drafter
 from transformers import DynamicCache, pipeline
 from transformers.generation.streamers import BaseStreamer
-
-from conftest import make_drafter, make_target
-from helpers import pin_drafter, char_tokenizer
 
 
 def greedy(target, ids, **kwargs):
@@ -33,8 +32,9 @@ def test_every_sequential_head_matches_greedy(target, head):
     extra = {"confidence_with_markov": False} if head == "none" else {}
     drafter = make_drafter(target, sequential_head=head, **extra)
     ids = torch.randint(0, 99, (1, 6))
-    assert torch.equal(greedy(target, ids, max_new_tokens=15), greedy(target, ids, max_new_tokens=15,
-                                                                          assistant_model=drafter))
+    assert torch.equal(
+        greedy(target, ids, max_new_tokens=15), greedy(target, ids, max_new_tokens=15, assistant_model=drafter)
+    )
 
 
 def test_oracle_drafter_accepts_everything(target):
@@ -69,8 +69,9 @@ def test_drafter_diverging_at_each_position(target, diverge_at):
 def test_zero_drafts_when_confidence_is_never_enough(target):
     drafter = make_drafter(target, verify_policy="threshold", confidence_threshold=1.0)
     ids = torch.randint(0, 99, (1, 5))
-    assert torch.equal(greedy(target, ids, max_new_tokens=9), greedy(target, ids, max_new_tokens=9,
-                                                                         assistant_model=drafter))
+    assert torch.equal(
+        greedy(target, ids, max_new_tokens=9), greedy(target, ids, max_new_tokens=9, assistant_model=drafter)
+    )
     assert set(drafter.generation_stats.verify_lengths) == {0}
 
 
@@ -141,8 +142,14 @@ def test_pipeline_with_assistant_model(target, drafter):
 def test_return_dict_with_hidden_states(target, drafter):
     ids = torch.randint(0, 99, (1, 5))
     ref = greedy(target, ids, max_new_tokens=10, return_dict_in_generate=True, output_hidden_states=True)
-    out = greedy(target, ids, max_new_tokens=10, return_dict_in_generate=True, output_hidden_states=True,
-                 assistant_model=drafter)
+    out = greedy(
+        target,
+        ids,
+        max_new_tokens=10,
+        return_dict_in_generate=True,
+        output_hidden_states=True,
+        assistant_model=drafter,
+    )
     assert torch.equal(ref.sequences, out.sequences)
     assert out.hidden_states is not None
 
@@ -151,16 +158,28 @@ def test_qwen3_target_with_qk_norm():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager")
+    config = Qwen3Config(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="eager",
+    )
     target = Qwen3ForCausalLM(config).eval()
     target.generation_config.eos_token_id = None
     drafter = make_drafter(target, mask_token_id=None)
     assert drafter.config.use_qk_norm and hasattr(drafter.layers[0].self_attn, "q_norm")
     ids = torch.randint(0, 99, (1, 6))
-    assert torch.equal(greedy(target, ids, max_new_tokens=14), greedy(target, ids, max_new_tokens=14,
-                                                                          assistant_model=drafter))
+    assert torch.equal(
+        greedy(target, ids, max_new_tokens=14), greedy(target, ids, max_new_tokens=14, assistant_model=drafter)
+    )
 
 
 def test_repetition_penalty_processor_is_applied_to_drafts(target, drafter):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import make_drafter
 from transformers import DynamicCache
 
-from conftest import make_drafter
 from dspark_hf import DSparkGenerationStats
 from dspark_hf.heads import DSparkGatedMarkovHead, DSparkMarkovHead, DSparkRNNHead, survival_probabilities
 
@@ -45,12 +45,18 @@ def test_incremental_context_cache_equals_one_shot(target, drafter):
     embed = target.get_input_embeddings()
     anchor = ids[:, 11:12]
     noise = drafter.block_input_embeds(anchor, embed)
-    positions = lambda start, n: torch.arange(start, start + n + 4)[None]  # noqa: E731
+
+    def positions(start, n):
+        return torch.arange(start, start + n + 4)[None]
 
     cache = DynamicCache()
     for start, stop in ((0, 5), (5, 6), (6, 11)):  # three rounds of newly committed positions
-        out = drafter(noise_embeds=noise, context_hidden_states=feats[:, start:stop],
-                      position_ids=positions(start, stop - start), cache=cache)
+        out = drafter(
+            noise_embeds=noise,
+            context_hidden_states=feats[:, start:stop],
+            position_ids=positions(start, stop - start),
+            cache=cache,
+        )
         cache.crop(-4)
         assert cache.get_seq_length() == stop
     fresh = drafter(noise_embeds=noise, context_hidden_states=feats[:, :11], position_ids=positions(0, 11))
@@ -141,8 +147,9 @@ def test_sample_block_returns_processed_biased_logits(target, drafter):
 
 @torch.no_grad()
 def test_sample_block_stops_where_admission_fails(target, drafter):
-    draft = drafter.sample_block(torch.randn(1, 4, 32), torch.randint(0, 99, (1, 3)),
-                                 target.get_output_embeddings(), admit=lambda k, a: k <= 2)
+    draft = drafter.sample_block(
+        torch.randn(1, 4, 32), torch.randint(0, 99, (1, 3)), target.get_output_embeddings(), admit=lambda k, a: k <= 2
+    )
     assert draft.tokens.shape == (1, 2) and draft.logits.shape[1] == 2
     assert len(draft.survival) == 3  # the third position's confidence was examined, its token never sampled
 

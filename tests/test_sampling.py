@@ -12,9 +12,8 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
 from conftest import make_drafter, make_target
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 
 VOCAB, N_TOKENS = 4, 3
@@ -94,9 +93,7 @@ def test_sampling_matches_target_distribution(sampling):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "sampling", [dict(temperature=1.0), dict(temperature=0.7), dict(top_k=2), dict(top_p=0.8)]
-)
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7), dict(top_k=2), dict(top_p=0.8)])
 def test_sampling_matches_target_distribution_many_samples(sampling):
     (rejects, stat, critical), _ = run_check(6000, **sampling)
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}"

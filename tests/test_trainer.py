@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_target
+
 from dspark_hf.training.config import DSparkTrainingConfig
 from dspark_hf.training.dataset import TokenDataset
 from dspark_hf.training.trainer import DSparkTrainer, lr_factor
@@ -19,8 +19,19 @@ def tiny_dataset(n=12):
 
 
 def config(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "run"), num_hidden_layers=1, block_size=3, markov_rank=8, seq_len=24,
-                batch_size=2, num_anchors=4, max_steps=4, save_every=2, log_every=1, learning_rate=1e-2)
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        num_hidden_layers=1,
+        block_size=3,
+        markov_rank=8,
+        seq_len=24,
+        batch_size=2,
+        num_anchors=4,
+        max_steps=4,
+        save_every=2,
+        log_every=1,
+        learning_rate=1e-2,
+    )
     base.update(kw)
     return DSparkTrainingConfig(**base)
 
@@ -76,9 +87,21 @@ def test_train_cli_runs_and_resumes(tmp_path):
     target = make_target()
     target.save_pretrained(tmp_path / "target")
     tiny_dataset().save(tmp_path / "data.npz")
-    args = ["train", "--set", f"data={tmp_path / 'data.npz'}", f"target={tmp_path / 'target'}",
-            f"output_dir={tmp_path / 'run'}", "num_hidden_layers=1", "block_size=3", "markov_rank=8", "seq_len=24",
-            "batch_size=2", "num_anchors=4", "max_steps=3", "save_every=1"]
+    args = [
+        "train",
+        "--set",
+        f"data={tmp_path / 'data.npz'}",
+        f"target={tmp_path / 'target'}",
+        f"output_dir={tmp_path / 'run'}",
+        "num_hidden_layers=1",
+        "block_size=3",
+        "markov_rank=8",
+        "seq_len=24",
+        "batch_size=2",
+        "num_anchors=4",
+        "max_steps=3",
+        "save_every=1",
+    ]
     assert main(args + ["--stop-after", "2"]) == 0
     assert (tmp_path / "run/latest").read_text() == "checkpoint-2"
     assert main(args + ["--resume"]) == 0

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from conftest import make_drafter
 from transformers import DynamicCache
 
-from conftest import make_drafter
 from dspark_hf.training import dspark_loss, make_blocks, position_weights, sample_anchors
 from dspark_hf.training.step import drafter_block_hidden, freeze, target_features, training_loss
 
@@ -52,8 +52,12 @@ def test_training_pass_equals_inference_pass_per_block(target):
     for n, a in enumerate(blocks.anchors[0].tolist()):
         cache = DynamicCache()
         noise = drafter.block_input_embeds(ids[:, a : a + 1], embed)
-        ref = drafter(noise_embeds=noise, context_hidden_states=feats[:, :a] if a else None,
-                      position_ids=torch.arange(0, a + 4)[None], cache=cache).last_hidden_state
+        ref = drafter(
+            noise_embeds=noise,
+            context_hidden_states=feats[:, :a] if a else None,
+            position_ids=torch.arange(0, a + 4)[None],
+            cache=cache,
+        ).last_hidden_state
         torch.testing.assert_close(hidden[0, n], ref[0], atol=1e-5, rtol=1e-5)
 
 

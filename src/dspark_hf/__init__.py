@@ -1,7 +1,7 @@
 """dspark-hf: DSpark speculative decoding for Hugging Face transformers.
 
-    import dspark_hf
-    target.generate(**inputs, assistant_model=drafter)   # routed to DSpark, lossless
+import dspark_hf
+target.generate(**inputs, assistant_model=drafter)   # routed to DSpark, lossless
 """
 
 from .configuration_dspark import DSparkConfig
@@ -27,10 +27,10 @@ __version__ = "0.1.0"
 __all__ = [
     "DSparkConfig",
     "DSparkDraftModel",
-    "DSparkPreTrainedModel",
     "DSparkGenerationStats",
-    "enable",
+    "DSparkPreTrainedModel",
     "disable",
+    "enable",
     "generate",
     "load_default",
     "prefix_schedule",

@@ -51,8 +51,13 @@ def encode(tokenizer, record: dict) -> torch.LongTensor:
 @torch.no_grad()
 def timed_generate(target, input_ids, max_new_tokens, drafter=None):
     start = time.perf_counter()
-    out = target.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter,
-                          attention_mask=torch.ones_like(input_ids))
+    out = target.generate(
+        input_ids,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        assistant_model=drafter,
+        attention_mask=torch.ones_like(input_ids),
+    )
     return out[0, input_ids.shape[1] :], time.perf_counter() - start
 
 
@@ -75,18 +80,20 @@ def run_bench(target, tokenizer, drafter, records, max_new_tokens=128, progress=
             tokens[mode] += out.numel()
         pooled = pooled.merge(stats)
         identical = torch.equal(result["plain"][0], result["dspark"][0])
-        per_prompt.append({
-            "index": i,
-            "prompt_tokens": ids.shape[1],
-            "new_tokens": result["dspark"][0].numel(),
-            "identical": identical,
-            "acceptance_length": stats.acceptance_length,
-            "per_position_acceptance": stats.per_position_acceptance,
-            "num_target_forwards": stats.num_target_forwards,
-            "mean_verify_length": stats.mean_verify_length,
-            "seconds_plain": result["plain"][1],
-            "seconds_dspark": result["dspark"][1],
-        })
+        per_prompt.append(
+            {
+                "index": i,
+                "prompt_tokens": ids.shape[1],
+                "new_tokens": result["dspark"][0].numel(),
+                "identical": identical,
+                "acceptance_length": stats.acceptance_length,
+                "per_position_acceptance": stats.per_position_acceptance,
+                "num_target_forwards": stats.num_target_forwards,
+                "mean_verify_length": stats.mean_verify_length,
+                "seconds_plain": result["plain"][1],
+                "seconds_dspark": result["dspark"][1],
+            }
+        )
         if not identical:
             logger.warning(f"Prompt {i}: DSpark output differs from plain greedy. Please report this as a bug.")
     tps = {mode: tokens[mode] / times[mode] if times[mode] else 0.0 for mode in times}

@@ -58,7 +58,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # Ask the target for exactly the tapped layers (+1: entry 0 of `hidden_states` is the embedding output).
         # With a user request for all hidden states, a list would crash `_split_model_outputs`, so keep `True`.
         taps = [i + 1 for i in config.target_layer_ids]
-        self.model_kwargs_overrides = {"output_hidden_states": True if generation_config.output_hidden_states else taps}
+        self.model_kwargs_overrides = {
+            "output_hidden_states": True if generation_config.output_hidden_states else taps
+        }
         self.admit = build_admission(config, getattr(drafter, "sps_profile", None))
         self.cache = DynamicCache()
         self.context_len = 0  # target positions whose features are in the drafter cache

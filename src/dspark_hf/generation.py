@@ -53,8 +53,16 @@ def eos_token_ids(generation_config) -> list[int]:
 
 def _wrap_selector(original):
     @functools.wraps(original)
-    def selector(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model=None,
-                 **kwargs):
+    def selector(
+        self,
+        generation_config,
+        input_ids,
+        inputs_tensor,
+        logits_processor,
+        model_kwargs,
+        assistant_model=None,
+        **kwargs,
+    ):
         if is_dspark_drafter(assistant_model):
             from .candidate_generator import DSparkCandidateGenerator
 
@@ -109,4 +117,4 @@ def generate(model, *args, **kwargs):
     return GenerationMixin.generate(enable(model), *args, **kwargs)
 
 
-__all__ = ["install_candidate_generator", "enable", "disable", "generate", "is_dspark_drafter"]
+__all__ = ["disable", "enable", "generate", "install_candidate_generator", "is_dspark_drafter"]

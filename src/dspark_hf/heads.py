@@ -50,8 +50,8 @@ class DSparkGatedMarkovHead(DSparkMarkovHead):
 class DSparkRNNHead(DSparkMarkovHead):
     """Gated recurrent bias over the whole in-block prefix (DSpark paper, Eq. 6), `s_0 = 0`:
 
-        z_k = [s_{k-1}; W1[x_{k-1}]; h_k],  (g, c, o) = split(joint_proj(z_k)),
-        s_k = σ(g) ⊙ s_{k-1} + (1 - σ(g)) ⊙ tanh(c),  B_k = W2 tanh(o).
+    z_k = [s_{k-1}; W1[x_{k-1}]; h_k],  (g, c, o) = split(joint_proj(z_k)),
+    s_k = σ(g) ⊙ s_{k-1} + (1 - σ(g)) ⊙ tanh(c),  B_k = W2 tanh(o).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int):
@@ -101,10 +101,10 @@ def survival_probabilities(confidence_logits: torch.Tensor, temperatures: torch.
 
 
 __all__ = [
-    "DSparkMarkovHead",
-    "DSparkGatedMarkovHead",
-    "DSparkRNNHead",
-    "DSparkConfidenceHead",
     "SEQUENTIAL_HEAD_CLASSES",
+    "DSparkConfidenceHead",
+    "DSparkGatedMarkovHead",
+    "DSparkMarkovHead",
+    "DSparkRNNHead",
     "survival_probabilities",
 ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
@@ -86,7 +86,9 @@ class DSparkAttention(LlamaAttention):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         # diff with Llama: keys/values also cover the fused target context, prepended along the sequence axis
-        kv_input = hidden_states if context_hidden_states is None else torch.cat([context_hidden_states, hidden_states], 1)
+        kv_input = (
+            hidden_states if context_hidden_states is None else torch.cat([context_hidden_states, hidden_states], 1)
+        )
         kv_shape = (*kv_input.shape[:-1], -1, self.head_dim)
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, Q, hd)
@@ -210,7 +212,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
         self.markov_head = None
         if config.sequential_head != "none":
-            self.markov_head = SEQUENTIAL_HEAD_CLASSES[config.sequential_head](config.vocab_size, d, config.markov_rank)
+            self.markov_head = SEQUENTIAL_HEAD_CLASSES[config.sequential_head](
+                config.vocab_size, d, config.markov_rank
+            )
         self.confidence_head = None
         if config.confidence_head:
             rank = config.markov_rank if config.confidence_with_markov else None
@@ -228,7 +232,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         check_checkpoint_files(pretrained_model_name_or_path, kwargs)
         kwargs["use_safetensors"] = True
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
         raise_on_incomplete_load(pretrained_model_name_or_path, info)
         return (model, info) if want_info else model
 
@@ -270,8 +276,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             Positions of the new context entries followed by the block slots (slot j of a block anchored at
             position a sits at a + j). Default: continue after what `cache` holds.
         attention_mask (`torch.Tensor` of shape `(batch_size, 1, block_len, total_kv_len)`, *optional*):
-            Boolean (True = visible) or additive float mask over all keys (cached + new context + block). `None` lets every slot see
-            every key, which is the inference pattern (context < anchor, the whole own block).
+            Boolean (True = visible) or additive float mask over all keys (cached + new context + block). `None`
+            lets every slot see every key, which is the inference pattern (context < anchor, the whole own block).
         cache (`Cache`, *optional*): the drafter's context cache; the caller crops the block entries afterwards.
         """
         ctx = None
@@ -282,7 +288,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + new_len, device=noise_embeds.device)[None]
         if position_ids.shape[-1] != new_len:
-            raise ValueError(f"`position_ids` must cover context + block ({new_len} positions), got {position_ids.shape}.")
+            raise ValueError(
+                f"`position_ids` must cover context + block ({new_len} positions), got {position_ids.shape}."
+            )
         hidden_states = noise_embeds.to(self.fc.weight.dtype)
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             # eager attention adds the mask to the scores: turn "visible" booleans into 0 / most-negative floats
@@ -398,17 +406,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
 
 __all__ = [
-    "DSparkPreTrainedModel",
+    "DSparkBlockDraft",
     "DSparkDraftModel",
     "DSparkModelOutput",
-    "DSparkBlockDraft",
+    "DSparkPreTrainedModel",
     "survival_probabilities",
 ]
 
 
 # Remote code: a checkpoint loaded with `trust_remote_code=True` in a process without `dspark_hf` still routes
 # `generate(assistant_model=drafter)` to the DSpark candidate generator. Installing twice is a no-op.
-from .generation import install_candidate_generator  # noqa: E402
+from .generation import install_candidate_generator  # noqa: E402 (after the model; generation never imports it)
 
 
 install_candidate_generator()

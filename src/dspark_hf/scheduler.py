@@ -99,4 +99,4 @@ def build_admission(config, sps: SPS | None = None) -> Callable[[int, float], bo
     return PrefixAdmission(sps)
 
 
-__all__ = ["prefix_schedule", "PrefixAdmission", "threshold_admission", "build_admission"]
+__all__ = ["PrefixAdmission", "build_admission", "prefix_schedule", "threshold_admission"]

@@ -73,8 +73,11 @@ class DSparkGenerationStats:
 
     def merge(self, other: "DSparkGenerationStats") -> "DSparkGenerationStats":
         """Pool two calls' steps (for dataset-level τ and per-position rates)."""
-        merged = DSparkGenerationStats(self.block_size, self.num_prompt_tokens + other.num_prompt_tokens,
-                                       self.num_new_tokens + other.num_new_tokens)
+        merged = DSparkGenerationStats(
+            self.block_size,
+            self.num_prompt_tokens + other.num_prompt_tokens,
+            self.num_new_tokens + other.num_new_tokens,
+        )
         for s in (self, other):
             merged.verify_lengths += s.verify_lengths
             merged.accepted_lengths += s.accepted_lengths

@@ -6,10 +6,10 @@ from .loss import DSparkLossOutput, dspark_loss, position_weights
 
 __all__ = [
     "BlockBatch",
-    "block_attention_mask",
-    "make_blocks",
-    "sample_anchors",
     "DSparkLossOutput",
+    "block_attention_mask",
     "dspark_loss",
+    "make_blocks",
     "position_weights",
+    "sample_anchors",
 ]

@@ -65,7 +65,7 @@ class DSparkTrainingConfig:
 
     @classmethod
     def from_file(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "DSparkTrainingConfig":
-        """Load JSON or YAML (`.yaml`/`.yml`), then apply `key=value` overrides (values parsed as JSON if they can be)."""
+        """Load JSON or YAML (`.yaml`/`.yml`), then apply `key=value` overrides (values parsed as JSON if possible)."""
         values: dict[str, Any] = {}
         if path is not None:
             text = Path(path).read_text(encoding="utf-8")

@@ -3,7 +3,7 @@
 import torch
 
 from .data import BlockBatch, make_blocks
-from .loss import DSparkLossOutput, dspark_loss
+from .loss import dspark_loss
 
 
 def freeze(target):

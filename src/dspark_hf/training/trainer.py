@@ -129,8 +129,15 @@ class DSparkTrainer:
         with self.accelerator.autocast():
             out = training_loss(
                 self.accelerator.unwrap_model(self.drafter) if self.accelerator.num_processes == 1 else self.drafter,
-                self.target, ids, mask, cfg.num_anchors, gen, decay=cfg.loss_decay,
-                alpha_ce=cfg.alpha_ce, alpha_tv=cfg.alpha_tv, alpha_conf=cfg.alpha_conf,
+                self.target,
+                ids,
+                mask,
+                cfg.num_anchors,
+                gen,
+                decay=cfg.loss_decay,
+                alpha_ce=cfg.alpha_ce,
+                alpha_tv=cfg.alpha_tv,
+                alpha_conf=cfg.alpha_conf,
             )
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(out.loss)
