@@ -196,3 +196,13 @@ def test_uncroppable_cache_is_refused(target, drafter):
 
     with pytest.raises(ValueError, match="crop"):
         greedy(target, torch.randint(0, 99, (1, 5)), max_new_tokens=5, assistant_model=drafter, cache=FrozenCache())
+
+
+def test_left_padded_prompt(target, drafter):
+    """Padded prompt positions are hidden from the drafter (and the target): output equals plain greedy."""
+    ids = torch.randint(1, 99, (1, 8))
+    mask = torch.ones_like(ids)
+    mask[:, :3] = 0
+    ref = greedy(target, ids, attention_mask=mask, max_new_tokens=12)
+    out = greedy(target, ids, attention_mask=mask, max_new_tokens=12, assistant_model=drafter)
+    assert torch.equal(ref, out)
