@@ -35,7 +35,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def __init__(self, drafter, target, generation_config, logits_processor=None, input_ids=None, tokenizer=None):
         config = drafter.config
-        config.check_target(target.config)
+        config.check_target(target.config, tokenizer)
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ValueError(
                 f"DSpark in generate() drafts for one sequence at a time, got a batch of {input_ids.shape[0]}. "

@@ -9,6 +9,8 @@ The config records a *fingerprint* of the target it was made for (model type, wi
 tokens) so that pairing a drafter with the wrong target fails loudly instead of producing garbage drafts.
 """
 
+import hashlib
+import json
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -45,6 +47,15 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     return sorted({start + round(i * span / (count - 1)) for i in range(count)})
 
 
+def tokenizer_hashes(tokenizer) -> tuple[str, str | None]:
+    """SHA-256 of the vocabulary (token -> id, sorted) and of the chat template (None if it has none)."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return hashlib.sha256(vocab).hexdigest(), hashlib.sha256(template.encode()).hexdigest() if template else None
+
+
 @strict
 class DSparkConfig(PreTrainedConfig):
     r"""
@@ -56,6 +67,8 @@ class DSparkConfig(PreTrainedConfig):
         num_target_layers (`int`): number of decoder layers of the target.
         vocab_size (`int`): the target's vocabulary size.
         bos_token_id / eos_token_id / pad_token_id: the target's special tokens (pipelines compare them).
+        target_name_or_path, target_tokenizer_hash, target_chat_template_hash: where the target came from and
+            SHA-256 hashes of its vocabulary and chat template (`record_target`); `None` skips that check.
 
     Drafter backbone (defaults follow the target's own block shapes):
         num_hidden_layers (`int`): number of draft layers.
@@ -95,6 +108,9 @@ class DSparkConfig(PreTrainedConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    target_name_or_path: str | None = None
+    target_tokenizer_hash: str | None = None
+    target_chat_template_hash: str | None = None
 
     # drafter backbone
     num_hidden_layers: int = 2
@@ -244,8 +260,17 @@ class DSparkConfig(PreTrainedConfig):
             fields["sts_temperatures"] = None
         return cls(**fields)
 
-    def check_target(self, target_config: PreTrainedConfig) -> None:
-        """Raise `ValueError` if `target_config` is not the kind of target this drafter was made for."""
+    def record_target(self, target, tokenizer=None) -> None:
+        """Store where the target came from and hashes of its tokenizer (checked at load and generate time)."""
+        self.target_name_or_path = getattr(target.config, "_name_or_path", None) or None
+        if tokenizer is not None:
+            self.target_tokenizer_hash, self.target_chat_template_hash = tokenizer_hashes(tokenizer)
+
+    def check_target(self, target_config: PreTrainedConfig, tokenizer=None) -> None:
+        """Raise `ValueError` if the target (and tokenizer, when given) is not what this drafter was made for.
+
+        A different chat template only warns: the drafter still matches the vocabulary, but acceptance may drop.
+        """
         text = target_config.get_text_config(decoder=True)
         found = {
             "model_type": text.model_type,
@@ -256,6 +281,15 @@ class DSparkConfig(PreTrainedConfig):
         wrong = {k: (v, found[k]) for k, v in self.target_fingerprint().items() if found[k] != v}
         # A drafter works with any target of the same shapes; a different family is only worth a warning.
         family = wrong.pop("model_type", None)
+        if tokenizer is not None and self.target_tokenizer_hash is not None:
+            vocab_hash, template_hash = tokenizer_hashes(tokenizer)
+            if vocab_hash != self.target_tokenizer_hash:
+                wrong["tokenizer vocabulary"] = (self.target_tokenizer_hash[:12], vocab_hash[:12])
+            elif self.target_chat_template_hash is not None and template_hash != self.target_chat_template_hash:
+                logger.warning_once(
+                    "The tokenizer's chat template differs from the one this DSpark drafter was trained with; "
+                    "outputs stay lossless, but acceptance may be lower."
+                )
         if wrong:
             detail = ", ".join(f"{k}: drafter expects {a}, target has {b}" for k, (a, b) in wrong.items())
             raise ValueError(
@@ -275,4 +309,4 @@ class DSparkConfig(PreTrainedConfig):
         }
 
 
-__all__ = ["DSparkConfig", "default_target_layer_ids"]
+__all__ = ["DSparkConfig", "default_target_layer_ids", "tokenizer_hashes"]

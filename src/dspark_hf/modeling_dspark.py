@@ -224,9 +224,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, restricted to safetensors and strict about missing weights."""
+        """`PreTrainedModel.from_pretrained`, restricted to safetensors and strict about missing weights.
+
+        Pass `target=` (and `tokenizer=`) to check at load time that the drafter was made for that target.
+        """
         from .loading import check_checkpoint_files, raise_on_incomplete_load
 
+        target, tokenizer = kwargs.pop("target", None), kwargs.pop("tokenizer", None)
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DSpark drafters load from safetensors only; drop `use_safetensors=False`.")
         check_checkpoint_files(pretrained_model_name_or_path, kwargs)
@@ -236,6 +240,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
         raise_on_incomplete_load(pretrained_model_name_or_path, info)
+        if target is not None:  # optional pairing check at load time (generate() checks again)
+            model.config.check_target(target.config, tokenizer)
         return (model, info) if want_info else model
 
     # -- inputs ---------------------------------------------------------------------------------------------------

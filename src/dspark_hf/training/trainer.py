@@ -36,7 +36,7 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def build_drafter(config: DSparkTrainingConfig, target) -> DSparkDraftModel:
+def build_drafter(config: DSparkTrainingConfig, target, tokenizer=None) -> DSparkDraftModel:
     if config.drafter_config:
         fields = json.loads(Path(config.drafter_config).read_text())
         fields.pop("model_type", None)
@@ -52,6 +52,7 @@ def build_drafter(config: DSparkTrainingConfig, target) -> DSparkDraftModel:
             confidence_head=config.confidence_head,
             confidence_with_markov=config.confidence_head and config.sequential_head != "none",
         )
+    drafter_config.record_target(target, tokenizer)
     torch.manual_seed(config.seed)
     return DSparkDraftModel(drafter_config)
 
@@ -59,12 +60,12 @@ def build_drafter(config: DSparkTrainingConfig, target) -> DSparkDraftModel:
 class DSparkTrainer:
     """Trains a DSpark drafter for `target` on a `TokenDataset`; see `DSparkTrainingConfig` for the knobs."""
 
-    def __init__(self, config: DSparkTrainingConfig, target, dataset: TokenDataset | None = None, drafter=None):
+    def __init__(self, config: DSparkTrainingConfig, target, dataset=None, drafter=None, tokenizer=None):
         self.config = config
         self.accelerator = Accelerator(mixed_precision=config.mixed_precision)
         self.dataset = dataset if dataset is not None else TokenDataset.load(config.data)
         self.target = freeze(target).to(self.accelerator.device)
-        drafter = drafter if drafter is not None else build_drafter(config, target)
+        drafter = drafter if drafter is not None else build_drafter(config, target, tokenizer)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         warmup = max(1, int(config.warmup_ratio * config.max_steps))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, config.max_steps))

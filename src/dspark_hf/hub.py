@@ -1,0 +1,177 @@
+"""Hub artifacts: a checkpoint folder with a generated model card, the hardware profile and `custom_generate/`.
+
+`save_for_hub` writes everything a Hub repo needs; `push_to_hub` uploads that folder. The model card is generated
+from measured results only (bench JSONs, the SPS profile, calibration and training records), never hand-written.
+`custom_generate/` carries the DSpark generation code, so `target.generate(..., custom_generate="org/repo",
+trust_remote_code=True)` works for users who do not pip install this package.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers.utils import logging
+
+from .utils import atomic_write_json
+
+
+logger = logging.get_logger(__name__)
+
+# Modules copied into custom_generate/: they import only each other (relatively), torch and transformers.
+CUSTOM_GENERATE_MODULES = ("generation.py", "candidate_generator.py", "scheduler.py", "stats.py")
+_CUSTOM_GENERATE_ENTRY = '''"""DSpark assisted generation for `target.generate(..., custom_generate=<this repo>, trust_remote_code=True)`."""
+
+from transformers.generation.utils import GenerationMixin
+
+from .generation import disable, enable
+
+
+def generate(model, *args, **kwargs):
+    """Route `assistant_model=<DSpark drafter>` to the DSpark candidate generator for this call only."""
+    enable(model)
+    try:
+        return GenerationMixin.generate(model, *args, **kwargs)
+    finally:
+        disable(model)
+'''
+
+
+def write_custom_generate(out_dir: str | os.PathLike) -> Path:
+    """`custom_generate/generate.py` + the generation modules + requirements.txt."""
+    folder = Path(out_dir) / "custom_generate"
+    folder.mkdir(parents=True, exist_ok=True)
+    package = Path(__file__).parent
+    for name in CUSTOM_GENERATE_MODULES:
+        shutil.copyfile(package / name, folder / name)
+    (folder / "generate.py").write_text(_CUSTOM_GENERATE_ENTRY)
+    (folder / "requirements.txt").write_text("torch\ntransformers>=5.24,<6\npackaging\n")
+    return folder
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def model_card(
+    config,
+    results: dict | None = None,
+    profile: dict | None = None,
+    training: dict | None = None,
+    calibration: dict | None = None,
+) -> str:
+    """Markdown model card with YAML front matter, built from measured results.
+
+    results: {dataset name: bench JSON (see `dspark_hf.bench.run_bench`)}; profile: an SPS profile; training: the
+    training config and data summary; calibration: {"ece_before": [...], "ece_after": [...]} per position.
+    """
+    target = config.target_name_or_path or f"a {config.target_model_type} target"
+    front = ["---", "library_name: dspark-hf", "tags:", "- speculative-decoding", "- dspark", "- drafter"]
+    if config.target_name_or_path:
+        front.append(f"base_model: {config.target_name_or_path}")
+    front.append("---")
+    lines = front + [
+        f"# DSpark drafter for {target}",
+        "",
+        "A DSpark speculative-decoding drafter (semi-autoregressive: parallel block backbone fed with the target's",
+        "hidden states, plus a sequential head). Outputs are identical to the target's own (lossless).",
+        "",
+        "```python",
+        "import dspark_hf",
+        "from transformers import AutoModelForCausalLM",
+        f'target = AutoModelForCausalLM.from_pretrained("{config.target_name_or_path or "<target>"}")',
+        'drafter = dspark_hf.DSparkDraftModel.from_pretrained("<this repo>")',
+        "out = target.generate(**inputs, assistant_model=drafter)",
+        "```",
+        "",
+        "## Architecture",
+        "",
+        f"- intended target: {target} ({config.target_model_type}, hidden {config.hidden_size}, "
+        f"{config.num_target_layers} layers, vocab {config.vocab_size})",
+        f"- draft layers: {config.num_hidden_layers}; block size γ = {config.block_size}; target layers "
+        f"{config.target_layer_ids}",
+        f"- sequential head: {config.sequential_head} (rank {config.markov_rank}); confidence head: "
+        f"{config.confidence_head}; verify policy: {config.verify_policy}",
+        f"- STS temperatures: {[round(t, 3) for t in config.sts_temperatures]}",
+        "",
+    ]
+    if results:
+        lines += [
+            "## Measured results",
+            "",
+            "| dataset | prompts | τ | speedup | identical | per-position acceptance |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in results.items():
+            rates = " ".join(_fmt(x) for x in r.get("per_position_acceptance", []))
+            lines.append(
+                f"| {name} | {r.get('num_prompts')} | {_fmt(r.get('acceptance_length'))} | "
+                f"{_fmt(r.get('speedup'))}x | {r.get('all_identical')} | {rates} |"
+            )
+        lines.append("")
+    if profile:
+        lines += [
+            "## Hardware",
+            "",
+            f"Profiled on {profile.get('device')} ({profile.get('dtype')}); "
+            "`sps_profile.json` holds target steps/s per verify size.",
+            "",
+        ]
+    if calibration:
+        lines += [
+            "## Calibration (STS)",
+            "",
+            f"ECE per position before: {calibration.get('ece_before')}",
+            f"after: {calibration.get('ece_after')}",
+            "",
+        ]
+    if training:
+        lines += ["## Training", "", "```json", json.dumps(training, indent=2, default=str), "```", ""]
+    if not results:
+        lines += ["## Measured results", "", "None recorded yet: run `dspark-hf bench` and regenerate this card.", ""]
+    return "\n".join(lines)
+
+
+def save_for_hub(drafter, out_dir, results=None, profile=None, training=None, calibration=None) -> Path:
+    """Write a complete Hub folder atomically: weights, code (auto_map), README.md, profile, custom_generate/."""
+    out_dir = Path(out_dir)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent if out_dir.parent.exists() else None, prefix=".hub-"))
+    try:
+        drafter.save_pretrained(tmp)
+        if profile is not None:
+            atomic_write_json(profile, tmp / "sps_profile.json")
+        write_custom_generate(tmp)
+        (tmp / "README.md").write_text(model_card(drafter.config, results, profile, training, calibration))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def push_to_hub(
+    drafter,
+    repo_id: str,
+    results=None,
+    profile=None,
+    training=None,
+    calibration=None,
+    private=False,
+    token=None,
+    api=None,
+    commit_message="Upload DSpark drafter",
+) -> str:
+    """Upload the `save_for_hub` folder to `repo_id`; returns the commit URL. `api` defaults to `HfApi(token)`."""
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1:
+        raise ValueError(f"`repo_id` must look like 'org/name', got {repo_id!r}.")
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_for_hub(drafter, Path(tmp) / "repo", results, profile, training, calibration)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message)
+    return str(getattr(info, "commit_url", info))

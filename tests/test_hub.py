@@ -1,0 +1,173 @@
+"""Hub artifacts: generated model card, custom_generate/, push_to_hub, offline loading from a real cache layout."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from dspark_hf import DSparkDraftModel
+from dspark_hf.hub import model_card, push_to_hub, save_for_hub
+
+
+BLOCK_DSPARK = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class _Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "dspark_hf" or name.startswith("dspark_hf."):
+                raise ImportError("dspark_hf is blocked in this test")
+    sys.meta_path.insert(0, _Block())
+    """
+)
+
+RESULT = {
+    "num_prompts": 3,
+    "acceptance_length": 2.5,
+    "speedup": 1.3,
+    "all_identical": True,
+    "per_position_acceptance": [0.8, 0.6, None, None],
+}
+
+
+def test_model_card_is_built_from_measured_results(target):
+    drafter = make_drafter(target)
+    drafter.config.target_name_or_path = "org/tiny-target"
+    card = model_card(drafter.config, results={"gsm8k": RESULT}, profile={"device": "cpu", "dtype": "float32"})
+    assert card.startswith("---\nlibrary_name: dspark-hf") and "base_model: org/tiny-target" in card
+    assert "| gsm8k | 3 | 2.50 | 1.30x | True | 0.80 0.60 - - |" in card
+    assert "Profiled on cpu" in card
+    assert "None recorded yet" in model_card(drafter.config)
+
+
+def test_save_for_hub_writes_a_complete_folder(tmp_path, target):
+    drafter = make_drafter(target)
+    folder = save_for_hub(drafter, tmp_path / "repo", results={"chat": RESULT}, profile={"device": "cpu", "sps": {}})
+    names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    for expected in (
+        "config.json",
+        "model.safetensors",
+        "configuration_dspark.py",
+        "modeling_dspark.py",
+        "README.md",
+        "sps_profile.json",
+        "custom_generate/generate.py",
+        "custom_generate/candidate_generator.py",
+        "custom_generate/requirements.txt",
+    ):
+        assert expected in names, expected
+    assert "auto_map" in json.loads((folder / "config.json").read_text())
+    assert not any(n.endswith(".bin") for n in names)
+
+
+def test_push_to_hub_uploads_the_folder(tmp_path, target):
+    class FakeApi:
+        def __init__(self):
+            self.calls = []
+
+        def create_repo(self, repo_id, private, exist_ok):
+            self.calls.append(("create", repo_id, private))
+
+        def upload_folder(self, repo_id, folder_path, commit_message):
+            shutil.copytree(folder_path, tmp_path / "uploaded")
+            self.calls.append(("upload", repo_id))
+            return type("Info", (), {"commit_url": f"https://hub/{repo_id}/commit/1"})()
+
+    api = FakeApi()
+    url = push_to_hub(make_drafter(target), "org/dspark-tiny", results={"x": RESULT}, api=api)
+    assert url.endswith("/commit/1") and api.calls == [
+        ("create", "org/dspark-tiny", False),
+        ("upload", "org/dspark-tiny"),
+    ]
+    assert (tmp_path / "uploaded/README.md").is_file() and (
+        tmp_path / "uploaded/custom_generate/generate.py"
+    ).is_file()
+    with pytest.raises(ValueError, match="org/name"):
+        push_to_hub(make_drafter(target), "no-slash", api=api)
+
+
+def _lay_out_cache(cache, repo_id, source):
+    """A real Hugging Face cache snapshot: models--org--name/{refs/main, snapshots/<sha>/...}."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(source, root / "snapshots" / sha)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(sha)
+
+
+def test_load_by_repo_id_offline_from_the_cache(tmp_path, target):
+    drafter = make_drafter(target)
+    save_for_hub(drafter, tmp_path / "repo")
+    _lay_out_cache(tmp_path / "cache", "org/dspark-tiny", tmp_path / "repo")
+    code = textwrap.dedent(
+        f"""
+        import torch, dspark_hf
+        from dspark_hf import DSparkDraftModel
+        d = DSparkDraftModel.from_pretrained("org/dspark-tiny")
+        ref = DSparkDraftModel.from_pretrained({str(tmp_path / "repo")!r})
+        assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), ref.state_dict().values()))
+        print("OK")
+        """
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_custom_generate_folder_works_without_the_package(tmp_path):
+    target = make_target()
+    target.save_pretrained(tmp_path / "target")
+    save_for_hub(make_drafter(target), tmp_path / "repo")
+    code = BLOCK_DSPARK + textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModel, AutoModelForCausalLM
+        from transformers.generation.utils import GenerationMixin
+        target = AutoModelForCausalLM.from_pretrained({str(tmp_path / "target")!r}).eval()
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            setattr(target.generation_config, key, None)
+        drafter = AutoModel.from_pretrained({str(tmp_path / "repo")!r}, trust_remote_code=True).eval()
+        # undo the global routing the remote modeling file installs, so only custom_generate can route to DSpark
+        GenerationMixin._get_candidate_generator = GenerationMixin._get_candidate_generator.__wrapped__
+        ids = torch.randint(0, 99, (1, 6))
+        ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+        out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                              custom_generate={str(tmp_path / "repo")!r}, trust_remote_code=True)
+        assert torch.equal(ref, out), (ref, out)
+        assert drafter.generation_stats.num_target_forwards > 0
+        print("OK", drafter.generation_stats.num_target_forwards)
+        """
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "home"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_pairing_check_at_load_with_tokenizer_hash(tmp_path, target):
+    from helpers import char_tokenizer
+
+    drafter = make_drafter(target)
+    tok = char_tokenizer(99)
+    drafter.config.record_target(target, tok)
+    drafter.save_pretrained(tmp_path / "d")
+    DSparkDraftModel.from_pretrained(tmp_path / "d", target=target, tokenizer=tok)  # same target: fine
+    other = char_tokenizer(99)
+    other.add_tokens(["zz"])  # a different vocabulary
+    with pytest.raises(ValueError, match="tokenizer vocabulary"):
+        DSparkDraftModel.from_pretrained(tmp_path / "d", target=target, tokenizer=other)
+    with pytest.raises(ValueError, match="another target"):
+        DSparkDraftModel.from_pretrained(tmp_path / "d", target=make_target(vocab_size=101))
+    tok.chat_template = "{{ messages }}"  # only the chat template differs: a warning, not an error
+    DSparkDraftModel.from_pretrained(tmp_path / "d", target=target, tokenizer=tok)
+    ids = torch.randint(0, 99, (1, 5))
+    assert torch.equal(
+        target.generate(ids, max_new_tokens=6, do_sample=False),
+        target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter, tokenizer=tok),
+    )
