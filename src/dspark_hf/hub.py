@@ -21,7 +21,10 @@ logger = logging.get_logger(__name__)
 
 # Modules copied into custom_generate/: they import only each other (relatively), torch and transformers.
 CUSTOM_GENERATE_MODULES = ("generation.py", "candidate_generator.py", "scheduler.py", "stats.py")
-_CUSTOM_GENERATE_ENTRY = '''"""DSpark assisted generation for `target.generate(..., custom_generate=<this repo>, trust_remote_code=True)`."""
+_CUSTOM_GENERATE_ENTRY = '''"""DSpark assisted generation for users without the dspark-hf package:
+
+    target.generate(**inputs, assistant_model=drafter, custom_generate="<this repo>", trust_remote_code=True)
+"""
 
 from transformers.generation.utils import GenerationMixin
 
