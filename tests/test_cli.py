@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
-from helpers import char_tokenizer, pin_drafter
 
+from conftest import make_drafter, make_target
 from dspark_hf.bench import read_prompts
 from dspark_hf.cli import main
+from helpers import char_tokenizer, pin_drafter
 
 
 def test_bench_writes_identical_results(tmp_path):

@@ -4,10 +4,11 @@ import math
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
-from helpers import char_tokenizer, pin_drafter
 from transformers import DynamicCache, pipeline
 from transformers.generation.streamers import BaseStreamer
+
+from conftest import make_drafter, make_target
+from helpers import char_tokenizer, pin_drafter
 
 
 def greedy(target, ids, **kwargs):

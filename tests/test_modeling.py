@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import make_drafter
 from transformers import DynamicCache
 
+from conftest import make_drafter
 from dspark_hf import DSparkGenerationStats
 from dspark_hf.heads import DSparkGatedMarkovHead, DSparkMarkovHead, DSparkRNNHead, survival_probabilities
 

@@ -12,8 +12,9 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from conftest import make_drafter, make_target
 
 
 VOCAB, N_TOKENS = 4, 3

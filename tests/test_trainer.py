@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import make_target
 
+from conftest import make_target
 from dspark_hf.training.config import DSparkTrainingConfig
 from dspark_hf.training.dataset import TokenDataset
 from dspark_hf.training.trainer import DSparkTrainer, lr_factor
@@ -106,3 +106,50 @@ def test_train_cli_runs_and_resumes(tmp_path):
     assert (tmp_path / "run/latest").read_text() == "checkpoint-2"
     assert main(args + ["--resume"]) == 0
     assert (tmp_path / "run/latest").read_text() == "checkpoint-3"
+
+
+def test_a_drafter_config_file_is_a_valid_training_config(tmp_path):
+    target = make_target()
+    from conftest import make_drafter
+
+    make_drafter(target, block_size=3).config.to_json_file(tmp_path / "drafter.json")
+    cfg = DSparkTrainingConfig.from_file(tmp_path / "drafter.json", [f"output_dir={tmp_path / 'run'}", "max_steps=1"])
+    assert cfg.drafter_config == str(tmp_path / "drafter.json")
+    trainer = DSparkTrainer(cfg, target, tiny_dataset())
+    assert trainer.accelerator.unwrap_model(trainer.drafter).config.block_size == 3
+    trainer.train()
+
+
+def test_two_cpu_processes_stay_in_sync(tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo): different batches per rank, identical weights after steps."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "dist_train_script.py"
+    # On CPU, accelerate's torchrun path (--multi_gpu) plus ACCELERATE_USE_CPU gives gloo multi-process training;
+    # `--cpu` alone would start a single process.
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        str(tmp_path),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world"] == r1["world"] == 2
+    assert r0["batch0"] != r1["batch0"]  # each rank saw its own data
+    assert r0["sum"] == r1["sum"] and r0["first"] == r1["first"]  # ...and the gradients were all-reduced

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from conftest import make_drafter
 from transformers import DynamicCache
 
+from conftest import make_drafter
 from dspark_hf.training import dspark_loss, make_blocks, position_weights, sample_anchors
 from dspark_hf.training.step import drafter_block_hidden, freeze, target_features, training_loss
 

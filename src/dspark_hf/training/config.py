@@ -65,7 +65,10 @@ class DSparkTrainingConfig:
 
     @classmethod
     def from_file(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "DSparkTrainingConfig":
-        """Load JSON or YAML (`.yaml`/`.yml`), then apply `key=value` overrides (values parsed as JSON if possible)."""
+        """Load JSON or YAML (`.yaml`/`.yml`), then apply `key=value` overrides (values parsed as JSON if possible).
+
+        A drafter config (`hub_configs/NAME.json`) is accepted too and becomes `drafter_config`.
+        """
         values: dict[str, Any] = {}
         if path is not None:
             text = Path(path).read_text(encoding="utf-8")
@@ -75,6 +78,9 @@ class DSparkTrainingConfig:
                 values = yaml.safe_load(text) or {}
             else:
                 values = json.loads(text)
+            if values.get("model_type") == "dspark" or "target_layer_ids" in values:
+                # a drafter config (e.g. hub_configs/NAME.json): train that drafter with default settings
+                values = {"drafter_config": str(path)}
         for item in overrides or []:
             if "=" not in item:
                 raise ValueError(f"Override {item!r} must look like key=value.")

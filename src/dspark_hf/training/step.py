@@ -22,10 +22,15 @@ def target_features(target, input_ids: torch.LongTensor, layer_ids: list[int]):
 
 
 def drafter_block_hidden(drafter, features, input_ids, blocks: BlockBatch, embed_tokens) -> torch.Tensor:
-    """Backbone output of every block, all in one pass with the training mask: (B, N, γ, d)."""
-    gamma = drafter.config.block_size
+    """Backbone output of every block, all in one pass with the training mask: (B, N, γ, d).
+
+    `drafter` may be wrapped for data parallelism: its forward goes through the wrapper (gradient sync), the
+    helper methods through the wrapped module.
+    """
+    module = getattr(drafter, "module", drafter)
+    gamma = module.config.block_size
     bsz, n = blocks.anchors.shape
-    noise = drafter.block_input_embeds(torch.gather(input_ids, 1, blocks.anchors), embed_tokens)  # (B, N·γ, d)
+    noise = module.block_input_embeds(torch.gather(input_ids, 1, blocks.anchors), embed_tokens)  # (B, N·γ, d)
     out = drafter(
         noise_embeds=noise,
         context_hidden_states=features,
@@ -37,16 +42,17 @@ def drafter_block_hidden(drafter, features, input_ids, blocks: BlockBatch, embed
 
 def training_loss(drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, **loss_kwargs):
     """DSpark loss of one batch. input_ids, loss_mask (B, L). Returns a `DSparkLossOutput`."""
-    config = drafter.config
+    module = getattr(drafter, "module", drafter)  # unwrap DistributedDataParallel for the head methods
+    config = module.config
     blocks = make_blocks(input_ids, loss_mask, config.block_size, num_anchors, generator)
     features, last_hidden = target_features(target, input_ids, config.target_layer_ids)
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
     hidden = drafter_block_hidden(drafter, features, input_ids, blocks, embed)
-    draft_logits = drafter.block_logits(hidden, blocks.prev_ids, lm_head)  # (B, N, γ, V)
+    draft_logits = module.block_logits(hidden, blocks.prev_ids, lm_head)  # (B, N, γ, V)
     with torch.no_grad():
         pos = blocks.label_positions.flatten(1)  # (B, N·γ)
         picked = torch.gather(last_hidden, 1, pos[..., None].expand(-1, -1, last_hidden.shape[-1]))
-        target_logits = drafter.base_logits(picked, lm_head).view_as(draft_logits)
-    conf = drafter.confidence_logits(hidden.flatten(1, 2), blocks.prev_ids.flatten(1))
+        target_logits = module.base_logits(picked, lm_head).view_as(draft_logits)
+    conf = module.confidence_logits(hidden.flatten(1, 2), blocks.prev_ids.flatten(1))
     conf = conf.view_as(blocks.labels) if conf is not None else None
     return dspark_loss(draft_logits, target_logits, blocks.labels, blocks.valid, conf, **loss_kwargs)

@@ -38,9 +38,7 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 def build_drafter(config: DSparkTrainingConfig, target, tokenizer=None) -> DSparkDraftModel:
     if config.drafter_config:
-        fields = json.loads(Path(config.drafter_config).read_text())
-        fields.pop("model_type", None)
-        drafter_config = DSparkConfig(**fields)
+        drafter_config = DSparkConfig.from_json_file(config.drafter_config)
         drafter_config.check_target(target.config)
     else:
         drafter_config = DSparkConfig.for_target(
@@ -129,7 +127,7 @@ class DSparkTrainer:
         ids, mask, gen = self.batch_for(self.step)
         with self.accelerator.autocast():
             out = training_loss(
-                self.accelerator.unwrap_model(self.drafter) if self.accelerator.num_processes == 1 else self.drafter,
+                self.drafter,
                 self.target,
                 ids,
                 mask,
