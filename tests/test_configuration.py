@@ -65,8 +65,14 @@ def test_default_target_layer_ids_are_valid(num_layers):
 
 @pytest.mark.parametrize(
     "num_layers, expected",
-    [(3, [0, 1]), (4, [0, 1, 2]), (8, [1, 2, 3, 4, 5]), (30, [1, 7, 14, 21, 27]), (36, [1, 9, 17, 25, 33]),
-     (40, [1, 10, 19, 28, 37])],
+    [
+        (3, [0, 1]),
+        (4, [0, 1, 2]),
+        (8, [1, 2, 3, 4, 5]),
+        (30, [1, 7, 14, 21, 27]),
+        (36, [1, 9, 17, 25, 33]),
+        (40, [1, 10, 19, 28, 37]),
+    ],
 )
 def test_default_target_layer_ids_values(num_layers, expected):
     assert default_target_layer_ids(num_layers) == expected
@@ -175,35 +181,39 @@ def test_for_target_qwen3_uses_qk_norm_and_its_mask_token():
     assert config.mask_token_id == 151669
 
 
-def test_for_target_qwen3_small_vocabulary_needs_a_mask_override():
-    # The known Qwen3 mask token does not exist in a tiny vocabulary: a clear error, and the override works.
+def test_for_target_qwen3_small_vocabulary_falls_back_to_a_learned_mask():
+    # The known Qwen3 mask token does not exist in a tiny vocabulary: a learned mask embedding is used instead,
+    # and forcing the token anyway is a clear error.
     target = Qwen3Config(**SMALL)
+    assert DSparkConfig.for_target(target).mask_token_id is None
     with pytest.raises(ValueError, match="mask_token_id=151669"):
-        DSparkConfig.for_target(target)
-    assert DSparkConfig.for_target(target, mask_token_id=None).mask_token_id is None
+        DSparkConfig.for_target(target, mask_token_id=151669)
 
 
 def test_for_target_gemma2_activation_and_softcapping():
-    target = Gemma2Config(**SMALL, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0)
-    assert getattr(target, "hidden_act", None) in (None, "gelu_pytorch_tanh")
+    # a non-default activation, so that the value can only have come from `hidden_activation`
+    target = Gemma2Config(**SMALL, hidden_activation="gelu_new", final_logit_softcapping=30.0)
+    assert getattr(target, "hidden_act", None) is None
     config = DSparkConfig.for_target(target)
     assert_copies_block_shapes(config, target)
-    assert config.hidden_act == "gelu_pytorch_tanh"
+    assert config.hidden_act == "gelu_new"
     assert config.final_logit_softcapping == 30.0
     assert config.use_qk_norm is False
 
 
 def test_for_target_gemma3_text_activation_softcapping_qk_norm_and_rope():
-    target = Gemma3TextConfig(**SMALL, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=25.0)
+    target = Gemma3TextConfig(**SMALL, hidden_activation="gelu_new", final_logit_softcapping=25.0)
+    assert getattr(target, "hidden_act", None) is None
     config = DSparkConfig.for_target(target)
     assert_copies_block_shapes(config, target)
-    assert config.hidden_act == "gelu_pytorch_tanh"
+    assert config.hidden_act == "gelu_new"
     assert config.final_logit_softcapping == 25.0
     assert config.use_qk_norm is True
     # per-layer-type RoPE: the drafter (all full attention) takes the full-attention parameters
     assert config.rope_parameters == dict(target.rope_parameters["full_attention"])
-    no_cap = DSparkConfig.for_target(Gemma3TextConfig(**SMALL))
-    assert no_cap.final_logit_softcapping is None
+    default = DSparkConfig.for_target(Gemma3TextConfig(**SMALL))
+    assert default.final_logit_softcapping is None  # Gemma 3 does not soft-cap by default
+    assert default.hidden_act == "gelu_pytorch_tanh"
 
 
 def test_for_target_overrides():
@@ -261,8 +271,15 @@ def test_check_target_accepts_the_right_target_and_same_shapes_of_another_family
     "fields",
     [
         dict(),
-        dict(num_hidden_layers=1, block_size=5, sts_temperatures=[1.0, 1.5, 2.0, 2.5, 3.0], mask_token_id=7,
-             sequential_head="rnn", verify_policy="fixed", target_layer_ids=[0, 4]),
+        dict(
+            num_hidden_layers=1,
+            block_size=5,
+            sts_temperatures=[1.0, 1.5, 2.0, 2.5, 3.0],
+            mask_token_id=7,
+            sequential_head="rnn",
+            verify_policy="fixed",
+            target_layer_ids=[0, 4],
+        ),
         dict(sequential_head="none", confidence_with_markov=False, confidence_head=True, block_size=2),
     ],
 )
@@ -273,8 +290,15 @@ def test_json_round_trip(fields):
     assert isinstance(restored, DSparkConfig)
     assert restored.to_dict() == config.to_dict()
     assert DSparkConfig.from_dict(json.loads(config.to_json_string())).to_dict() == config.to_dict()
-    for name in ("target_layer_ids", "sts_temperatures", "block_size", "mask_token_id", "sequential_head",
-                 "eos_token_id", "rope_parameters"):
+    for name in (
+        "target_layer_ids",
+        "sts_temperatures",
+        "block_size",
+        "mask_token_id",
+        "sequential_head",
+        "eos_token_id",
+        "rope_parameters",
+    ):
         assert getattr(restored, name) == getattr(config, name)
 
 

@@ -25,9 +25,26 @@ VERIFY_POLICIES = ("threshold", "fixed", "scheduler")
 
 # Known mask tokens of target families whose released drafters use a vocabulary token as the mask.
 # Everything else gets a learned mask embedding (mask_token_id=None).
-_KNOWN_MASK_TOKENS = {"qwen3": 151669, "qwen3_moe": 151669, "gemma4": 4, "gemma4_text": 4}
+_KNOWN_MASK_TOKENS = {
+    "qwen3": 151669,
+    "qwen3_moe": 151669,
+    "gemma4": 4,
+    "gemma4_text": 4,
+    "gemma4_unified": 4,
+    "gemma4_unified_text": 4,
+}
 # Families whose attention applies RMSNorm to queries and keys per head (QK-norm).
-_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "olmo2")
+_QK_NORM_FAMILIES = (
+    "qwen3",
+    "qwen3_moe",
+    "gemma3",
+    "gemma3_text",
+    "gemma4",
+    "gemma4_text",
+    "gemma4_unified",
+    "gemma4_unified_text",
+    "olmo2",
+)
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -119,15 +136,15 @@ class DSparkConfig(PreTrainedConfig):
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float | int = 1e-5
     rope_parameters: dict | None = None
     max_position_embeddings: int = 8192
     attention_bias: bool = False
     mlp_bias: bool = False
     attention_dropout: float | int = 0.0
     use_qk_norm: bool = False
-    final_logit_softcapping: float | None = None
-    initializer_range: float = 0.02
+    final_logit_softcapping: float | int | None = None
+    initializer_range: float | int = 0.02
     tie_word_embeddings: bool = False
 
     # DSpark
@@ -138,9 +155,9 @@ class DSparkConfig(PreTrainedConfig):
     markov_rank: int = 256
     confidence_head: bool = True
     confidence_with_markov: bool = True
-    sts_temperatures: list[float] | None = None
+    sts_temperatures: list[float | int] | None = None
     verify_policy: str = "threshold"
-    confidence_threshold: float = 0.1
+    confidence_threshold: float | int = 0.1
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -250,7 +267,10 @@ class DSparkConfig(PreTrainedConfig):
             attention_bias=bool(getattr(text, "attention_bias", False)),
             use_qk_norm=model_type in _QK_NORM_FAMILIES,
             final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
-            mask_token_id=_KNOWN_MASK_TOKENS.get(model_type),
+            # the family's mask token, when the vocabulary has it (tiny test models of the family may not)
+            mask_token_id=mask_id
+            if (mask_id := _KNOWN_MASK_TOKENS.get(model_type)) is not None and mask_id < text.vocab_size
+            else None,
         )
         unknown = set(overrides) - set(cls.__dataclass_fields__)
         if unknown:
