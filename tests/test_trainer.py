@@ -211,3 +211,17 @@ def test_kill_9_then_resume_loses_nothing(tmp_path):
         assert torch.equal(x, y), name
     steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "log.jsonl").read_text().splitlines()]
     assert set(range(1, 81)) <= set(steps)  # every step was logged at least once (some twice, after the kill)
+
+
+def test_init_from_target_copies_the_top_layers():
+    from dspark_hf.training.trainer import build_drafter
+
+    target = make_target()
+    drafter = build_drafter(DSparkTrainingConfig(num_hidden_layers=2, block_size=3, markov_rank=8), target)
+    top = target.model.layers
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, top[2].self_attn.q_proj.weight)
+    assert torch.equal(drafter.layers[1].mlp.down_proj.weight, top[3].mlp.down_proj.weight)
+    d = target.config.hidden_size
+    assert torch.equal(drafter.fc.weight[:, -d:], torch.eye(d)) and not drafter.fc.weight[:, :-d].any()
+    plain = build_drafter(DSparkTrainingConfig(num_hidden_layers=2, init_from_target=False), target)
+    assert not torch.equal(plain.layers[0].self_attn.q_proj.weight, top[2].self_attn.q_proj.weight)

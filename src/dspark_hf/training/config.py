@@ -29,6 +29,9 @@ class DSparkTrainingConfig:
     markov_rank: int = field(default=64, metadata={"help": "rank of the sequential head"})
     sequential_head: str = field(default="markov", metadata={"help": "markov | gated_markov | rnn | none (DFlash)"})
     confidence_head: bool = field(default=True, metadata={"help": "train a confidence head"})
+    init_from_target: bool = field(
+        default=True, metadata={"help": "start draft layers from the target's last layers, fc passing the deepest tap"}
+    )
     seq_len: int = field(default=512, metadata={"help": "training sequence length (longer ones are cropped)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per step and process"})
     num_anchors: int = field(default=64, metadata={"help": "blocks per sequence"})

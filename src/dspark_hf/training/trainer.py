@@ -52,7 +52,29 @@ def build_drafter(config: DSparkTrainingConfig, target, tokenizer=None) -> DSpar
         )
     drafter_config.record_target(target, tokenizer)
     torch.manual_seed(config.seed)
-    return DSparkDraftModel(drafter_config)
+    drafter = DSparkDraftModel(drafter_config)
+    if config.init_from_target:
+        init_from_target(drafter, target)
+    return drafter
+
+
+@torch.no_grad()
+def init_from_target(drafter: DSparkDraftModel, target) -> None:
+    """Sample-efficient start: draft layer i copies target layer L - n + i (same block shapes), and `fc` passes the
+    deepest tapped layer through unchanged, so the untrained drafter already behaves like the target's top layers
+    reading its own features."""
+    target_layers = target.base_model.layers
+    n = len(drafter.layers)
+    for i, layer in enumerate(drafter.layers):
+        source = target_layers[len(target_layers) - n + i].state_dict()
+        own = layer.state_dict()
+        shared = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+        if len(shared) < len(own):
+            logger.warning_once("init_from_target: draft and target layers differ in shape; copied what matches.")
+        layer.load_state_dict(shared, strict=False)
+    d = drafter.config.hidden_size
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, -d:] = torch.eye(d, dtype=drafter.fc.weight.dtype)
 
 
 class DSparkTrainer:
