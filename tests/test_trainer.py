@@ -225,3 +225,27 @@ def test_init_from_target_copies_the_top_layers():
     assert torch.equal(drafter.fc.weight[:, -d:], torch.eye(d)) and not drafter.fc.weight[:, :-d].any()
     plain = build_drafter(DSparkTrainingConfig(num_hidden_layers=2, init_from_target=False), target)
     assert not torch.equal(plain.layers[0].self_attn.q_proj.weight, top[2].self_attn.q_proj.weight)
+
+
+def test_heldout_evaluation_keeps_the_best_drafter(tmp_path):
+    target = make_target()
+    tiny_dataset().save(tmp_path / "heldout.npz")
+    cfg = config(tmp_path, heldout=str(tmp_path / "heldout.npz"), eval_every=2, eval_batches=2)
+    DSparkTrainer(cfg, target, tiny_dataset()).train()
+    records = [json.loads(line) for line in (tmp_path / "run/log.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_greedy_tau" in r]
+    assert [r["step"] for r in evals] == [2, 4] and all(1.0 <= r["eval_greedy_tau"] <= 4.0 for r in evals)
+    best = json.loads((tmp_path / "run/best/trainer_state.json").read_text())
+    assert best["eval_greedy_tau"] == max(r["eval_greedy_tau"] for r in evals)
+
+
+def test_greedy_tau_counts_leading_correct_drafts():
+    from dspark_hf.training import dspark_loss
+
+    vocab = 5
+    labels = torch.tensor([[[1, 2, 3], [1, 2, 3]]])  # two blocks of γ = 3
+    draft = torch.zeros(1, 2, 3, vocab)
+    draft[0, 0, torch.arange(3), torch.tensor([1, 2, 0])] = 5.0  # 2 leading correct
+    draft[0, 1, torch.arange(3), torch.tensor([0, 2, 3])] = 5.0  # first wrong: 0 accepted
+    out = dspark_loss(draft, draft, labels, torch.ones(1, 2, 3, dtype=torch.bool))
+    assert out.greedy_tau.item() == 1 + (2 + 0) / 2

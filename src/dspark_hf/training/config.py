@@ -21,6 +21,9 @@ class DSparkTrainingConfig:
     """
 
     data: str = field(default="", metadata={"help": "token dataset (.npz) from `dspark-hf data`"})
+    heldout: str | None = field(default=None, metadata={"help": "held-out token dataset (.npz) for evaluation"})
+    eval_every: int = field(default=100, metadata={"help": "evaluate on held-out data every N steps"})
+    eval_batches: int = field(default=4, metadata={"help": "held-out batches per evaluation (fixed, seeded)"})
     output_dir: str = field(default="runs/dspark", metadata={"help": "checkpoints and logs go here"})
     target: str | None = field(default=None, metadata={"help": "target model path (default: embedded SmolLM2)"})
     drafter_config: str | None = field(default=None, metadata={"help": "DSparkConfig JSON (e.g. hub_configs/*.json)"})
@@ -50,7 +53,18 @@ class DSparkTrainingConfig:
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
 
     def __post_init__(self):
-        for name in ("block_size", "batch_size", "num_anchors", "max_steps", "seq_len", "save_every", "log_every"):
+        names = (
+            "block_size",
+            "batch_size",
+            "num_anchors",
+            "max_steps",
+            "seq_len",
+            "save_every",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+        )
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.mixed_precision not in ("no", "bf16"):

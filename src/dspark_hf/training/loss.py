@@ -25,6 +25,7 @@ class DSparkLossOutput:
     conf: torch.Tensor
     accuracy: torch.Tensor  # (γ,) top-1 agreement with the label per position (for logging)
     accept_rate: torch.Tensor  # (γ,) mean analytic acceptance c* per position
+    greedy_tau: torch.Tensor  # teacher-forced greedy τ: 1 + mean leading-correct drafts over fully supervised blocks
 
 
 def dspark_loss(
@@ -62,4 +63,9 @@ def dspark_loss(
         count = flat_valid.sum(0).clamp(min=1)
         accuracy = (hits * flat_valid).sum(0) / count
         rate = (accept.reshape(-1, gamma) * flat_valid).sum(0) / count if accept is not None else accuracy * 0
-    return DSparkLossOutput(loss=loss, ce=ce_mean, tv=tv, conf=conf, accuracy=accuracy, accept_rate=rate)
+        full = flat_valid.all(-1)  # blocks whose every position is supervised
+        leading = hits.cumprod(-1).sum(-1)  # drafts a greedy verifier would accept (labels = target greedy tokens)
+        greedy_tau = 1 + (leading[full].mean() if full.any() else leading.new_zeros(()))
+    return DSparkLossOutput(
+        loss=loss, ce=ce_mean, tv=tv, conf=conf, accuracy=accuracy, accept_rate=rate, greedy_tau=greedy_tau
+    )

@@ -93,6 +93,8 @@ class DSparkTrainer:
         self.scheduler = scheduler
         self.step = 0
         self.output_dir = Path(config.output_dir)
+        self.heldout = TokenDataset.load(config.heldout) if config.heldout else None
+        self.best_tau = 0.0
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -105,7 +107,9 @@ class DSparkTrainer:
             self.accelerator.unwrap_model(self.drafter).save_pretrained(tmp)
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "config": self.config.to_dict()}))
+            (tmp / "trainer_state.json").write_text(
+                json.dumps({"step": self.step, "best_tau": self.best_tau, "config": self.config.to_dict()})
+            )
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             pointer = self.output_dir / ".latest.tmp"
@@ -130,7 +134,8 @@ class DSparkTrainer:
         self.accelerator.unwrap_model(self.drafter).load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-        self.step = json.loads((folder / "trainer_state.json").read_text())["step"]
+        state = json.loads((folder / "trainer_state.json").read_text())
+        self.step, self.best_tau = state["step"], state.get("best_tau", 0.0)
         logger.info(f"Resumed from {folder} at step {self.step}.")
         return True
 
@@ -143,6 +148,50 @@ class DSparkTrainer:
         indices = torch.randint(0, len(self.dataset), (self.config.batch_size,), generator=gen)
         ids, mask = self.dataset.batch(indices.tolist(), self.config.seq_len, gen)
         return ids.to(self.accelerator.device), mask.to(self.accelerator.device), gen
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss, per-position accuracy and teacher-forced greedy τ on fixed, seeded batches."""
+        cfg, module = self.config, self.accelerator.unwrap_model(self.drafter)
+        module.eval()
+        totals, taus, accs = 0.0, [], []
+        for b in range(cfg.eval_batches):
+            gen = torch.Generator().manual_seed(10_000 + b)
+            indices = torch.randint(0, len(self.heldout), (cfg.batch_size,), generator=gen)
+            ids, mask = self.heldout.batch(indices.tolist(), cfg.seq_len, gen)
+            out = training_loss(
+                module,
+                self.target,
+                ids.to(self.accelerator.device),
+                mask.to(self.accelerator.device),
+                cfg.num_anchors,
+                gen,
+                decay=cfg.loss_decay,
+                alpha_ce=cfg.alpha_ce,
+                alpha_tv=cfg.alpha_tv,
+                alpha_conf=cfg.alpha_conf,
+            )
+            totals += out.loss.item()
+            taus.append(out.greedy_tau.item())
+            accs.append(out.accuracy)
+        module.train()
+        return {
+            "eval_loss": totals / cfg.eval_batches,
+            "eval_greedy_tau": sum(taus) / len(taus),
+            "eval_accuracy": [round(a, 4) for a in torch.stack(accs).mean(0).tolist()],
+        }
+
+    def _save_best(self, tau: float) -> None:
+        """Keep the drafter with the best held-out τ in `best/` (early stopping without losing the last state)."""
+        if tau <= self.best_tau or not self.accelerator.is_main_process:
+            return
+        self.best_tau = tau
+        tmp = self.output_dir / ".best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.unwrap_model(self.drafter).save_pretrained(tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "eval_greedy_tau": tau}))
+        shutil.rmtree(self.output_dir / "best", ignore_errors=True)
+        os.replace(tmp, self.output_dir / "best")
 
     def train_step(self) -> dict:
         cfg = self.config
@@ -176,6 +225,7 @@ class DSparkTrainer:
             "lr": self.scheduler.get_last_lr()[0],
             "accuracy": [round(a, 4) for a in out.accuracy.tolist()],
             "accept_rate": [round(a, 4) for a in out.accept_rate.tolist()],
+            "greedy_tau": round(out.greedy_tau.item(), 4),
         }
 
     def train(self, resume: bool = False, stop_after: int | None = None) -> DSparkDraftModel:
@@ -190,7 +240,11 @@ class DSparkTrainer:
         while self.step < last:
             record = self.train_step()
             bar.update(1)
-            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+            if self.heldout is not None and (self.step % cfg.eval_every == 0 or self.step == last):
+                record.update(self.evaluate())
+                self._save_best(record["eval_greedy_tau"])
+                bar.write(f"step {self.step}: held-out greedy τ {record['eval_greedy_tau']:.3f}")
+            if self.step % cfg.log_every == 0 or self.step == last or "eval_loss" in record:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=record["accuracy"][0])
                 if self.accelerator.is_main_process:
                     with open(log_path, "a", encoding="utf-8") as f:
