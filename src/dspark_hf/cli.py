@@ -1,4 +1,4 @@
-"""`dspark-hf` command line: `demo` and `bench` (more subcommands join as the pipeline grows)."""
+"""`dspark-hf` command line: `demo`, `bench`, `train` and `export` (more subcommands join as the pipeline grows)."""
 
 import argparse
 import sys
@@ -82,6 +82,61 @@ def cmd_train(args) -> int:
     return 0 if drafter is not None else 1
 
 
+def cmd_export(args) -> int:
+    from .conversion import export_deepspec
+    from .modeling_dspark import DSparkDraftModel
+
+    if args.target is None:
+        from .default import load_default_target
+
+        target, _ = load_default_target()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    drafter = DSparkDraftModel.from_pretrained(args.drafter)
+    out = export_deepspec(drafter, target, args.out, overwrite=args.overwrite)
+    print(f"wrote a DeepSpec ({args.format}) checkpoint to {out}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from pathlib import Path
+
+    from .calibration import calibration_report, collect_confidence, fit_sts, reliability_diagram
+    from .configuration_dspark import DSparkConfig
+    from .training.dataset import TokenDataset
+    from .utils import atomic_write_json
+
+    args.drafter = args.drafter or str(Path(__file__).parent / "default_drafter")
+    target, _, drafter = _load(args)
+    logits, labels = collect_confidence(
+        drafter,
+        target,
+        TokenDataset.load(args.data),
+        seq_len=args.seq_len,
+        num_batches=args.batches,
+        num_anchors=args.anchors,
+    )
+    temps = fit_sts(logits, labels)
+    report = calibration_report(logits, labels, temps)
+    folder = Path(args.drafter)
+    config = DSparkConfig.from_pretrained(folder)
+    config.sts_temperatures = [float(t) for t in temps]
+    tmp = folder / ".config.json.tmp"
+    config.to_json_file(tmp)
+    tmp.replace(folder / "config.json")  # atomic: the old config stays intact until the new one is complete
+    atomic_write_json(report, folder / "calibration.json")
+    if args.png:
+        reliability_diagram(logits, labels, temps, args.png)
+    for k, (b, a) in enumerate(zip(report["before"]["ece"], report["after"]["ece"]), start=1):
+        auc = report["after"]["auroc"][k - 1]
+        auc = "-" if auc is None else f"{auc:.3f}"
+        print(f"position {k}: T = {temps[k - 1]:.3f}  ECE {b:.4f} -> {a:.4f}  AUROC {auc}")
+    print(f"{report['num_blocks']} held-out blocks; temperatures written to {folder / 'config.json'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +166,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N more steps")
     train.set_defaults(func=cmd_train)
+
+    cal = sub.add_parser("calibrate", help="fit STS temperatures on held-out data, store them in the checkpoint")
+    cal.add_argument("--data", required=True, help="held-out token dataset (.npz)")
+    cal.add_argument("--seq-len", type=int, default=512)
+    cal.add_argument("--batches", type=int, default=8)
+    cal.add_argument("--anchors", type=int, default=64)
+    cal.add_argument("--png", default=None, help="write a reliability diagram here")
+    add_models(cal)
+    cal.set_defaults(func=cmd_calibrate)
+
+    export = sub.add_parser("export", help="write a drafter in another checkpoint format (DeepSpec)")
+    export.add_argument("--format", choices=["deepspec"], default="deepspec")
+    export.add_argument("--drafter", required=True, help="DSpark drafter checkpoint to export")
+    export.add_argument("--target", help="its target (path or Hub id; default: embedded SmolLM2-135M-Instruct)")
+    export.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    export.set_defaults(func=cmd_export)
     return parser
 
 

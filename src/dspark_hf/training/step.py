@@ -1,5 +1,7 @@
 """One online training step: target features on the fly (no offline cache), all blocks in one drafter pass."""
 
+from dataclasses import dataclass
+
 import torch
 
 from .data import BlockBatch, make_blocks
@@ -40,8 +42,19 @@ def drafter_block_hidden(drafter, features, input_ids, blocks: BlockBatch, embed
     return out.last_hidden_state.view(bsz, n, gamma, -1)  # (B, N, γ, d)
 
 
-def training_loss(drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, **loss_kwargs):
-    """DSpark loss of one batch. input_ids, loss_mask (B, L). Returns a `DSparkLossOutput`."""
+@dataclass
+class BlockPredictions:
+    """Teacher-forced predictions for N blocks per sequence: draft_logits and target_logits (B, N, γ, V),
+    confidence_logits (B, N, γ) or None, and the `BlockBatch` they belong to."""
+
+    draft_logits: torch.Tensor
+    target_logits: torch.Tensor
+    confidence_logits: torch.Tensor | None
+    blocks: BlockBatch
+
+
+def block_predictions(drafter, target, input_ids, loss_mask, num_anchors: int, generator=None) -> BlockPredictions:
+    """Sample blocks, run the target (features, p_t) and the drafter (p_d with the bias, confidence) on them."""
     module = getattr(drafter, "module", drafter)  # unwrap DistributedDataParallel for the head methods
     config = module.config
     blocks = make_blocks(input_ids, loss_mask, config.block_size, num_anchors, generator)
@@ -55,4 +68,12 @@ def training_loss(drafter, target, input_ids, loss_mask, num_anchors: int, gener
         target_logits = module.base_logits(picked, lm_head).view_as(draft_logits)
     conf = module.confidence_logits(hidden.flatten(1, 2), blocks.prev_ids.flatten(1))
     conf = conf.view_as(blocks.labels) if conf is not None else None
-    return dspark_loss(draft_logits, target_logits, blocks.labels, blocks.valid, conf, **loss_kwargs)
+    return BlockPredictions(draft_logits, target_logits, conf, blocks)
+
+
+def training_loss(drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, **loss_kwargs):
+    """DSpark loss of one batch. input_ids, loss_mask (B, L). Returns a `DSparkLossOutput`."""
+    p = block_predictions(drafter, target, input_ids, loss_mask, num_anchors, generator)
+    return dspark_loss(
+        p.draft_logits, p.target_logits, p.blocks.labels, p.blocks.valid, p.confidence_logits, **loss_kwargs
+    )
