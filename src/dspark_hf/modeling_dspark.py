@@ -227,8 +227,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """`PreTrainedModel.from_pretrained`, restricted to safetensors and strict about missing weights.
 
         Pass `target=` (and `tokenizer=`) to check at load time that the drafter was made for that target.
+        A DeepSpec checkpoint (local folder, or a Hub repo already in the cache) is converted on the fly.
         """
+        from .conversion import load_deepspec_checkpoint, resolve_deepspec_folder
         from .loading import check_checkpoint_files, raise_on_incomplete_load
+
+        deepspec_folder = resolve_deepspec_folder(pretrained_model_name_or_path, kwargs)
+        if deepspec_folder is not None:  # DeepSpec's config.json is the target's (model_type "qwen3"), see conversion
+            return load_deepspec_checkpoint(deepspec_folder, **kwargs)
 
         target, tokenizer = kwargs.pop("target", None), kwargs.pop("tokenizer", None)
         if kwargs.get("use_safetensors") is False:

@@ -1,0 +1,420 @@
+"""DeepSpec interop: load DeepSeek's released DSpark checkpoints and export ours to their layout.
+
+DeepSpec (github.com/deepseek-ai/DeepSpec, the code behind the DSpark paper's Table 1) saves a drafter as
+`config.json` + safetensors:
+
+* `config.json` is the *target's* config deep-copied, plus DSpark fields: `architectures=["Qwen3DSparkModel"]`
+  (or `"Gemma4DSparkModel"`), `num_hidden_layers` (= draft layers), `num_target_layers`, `block_size`,
+  `target_layer_ids`, `mask_token_id`, `num_anchors`, `enable_confidence_head`, `confidence_head_with_markov`,
+  `markov_rank` (0 = no sequential head, the DFlash baseline), `markov_head_type` (`vanilla`, `gated`, `rnn`),
+  `tie_word_embeddings=false`, `layer_types`. Its `model_type` is the target's (e.g. `"qwen3"`), so the format is
+  recognised by `architectures`, never by `model_type`.
+* The safetensors hold the full draft state dict: frozen copies `embed_tokens.weight` / `lm_head.weight` of the
+  target's, then exactly our key names (`layers.*` Qwen3 decoder layers, `fc`, `hidden_norm`, `norm`,
+  `markov_head.{markov_w1,markov_w2,gate_proj,joint_proj}`, `confidence_head.proj`). A top-level `model.` or
+  `_orig_mod.` (torch.compile) prefix is accepted and stripped.
+
+Conventions shared by both codebases (DSpark paper §3.1; DeepSpec `create_position_ids`,
+`create_dspark_attention_mask`), so weights transfer without any re-indexing:
+
+* Anchor-predicts-first: a block is γ = `block_size` input slots, the anchor token followed by γ-1 copies of
+  `mask_token_id`. Slot j (0-based) sits at position `anchor + j` and predicts the token at `anchor + j + 1`, so γ
+  slots give γ drafts and the target verifies γ + 1 positions.
+* Context: a block anchored at position a sees target features of positions `< a` only (the anchor's own target
+  hidden state does not exist yet at inference), plus every slot of its own block, bidirectionally.
+* Target features are raw decoder-layer outputs: layer i is transformers' `hidden_states[i + 1]`.
+* The sequential head's previous token for slot 0 is the anchor; the confidence head reads `[h_k ; W1[x_{k-1}]]`
+  on the post-norm backbone output.
+
+Only the Qwen3 layout (`Qwen3DSparkModel`) maps onto dspark-hf's drafter. DeepSpec's Gemma4 draft layer has
+sandwich norms, an unscaled value norm, a `layer_scalar`, attention scale 1.0 and √d-scaled embeddings, none of
+which dspark-hf's Llama-style layer has: loading one raises, and drafters made for Gemma targets are not exported.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.utils import logging
+
+from .configuration_dspark import DSparkConfig
+from .loading import check_checkpoint_files
+from .modeling_dspark import DSparkDraftModel
+
+
+logger = logging.get_logger(__name__)
+
+QWEN3_ARCHITECTURE = "Qwen3DSparkModel"
+GEMMA4_ARCHITECTURE = "Gemma4DSparkModel"
+# DeepSpec `markov_head_type` <-> our `sequential_head`; `markov_rank == 0` is DeepSpec's "no head" (DFlash).
+HEAD_TYPES = {"vanilla": "markov", "gated": "gated_markov", "rnn": "rnn"}
+BORROWED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+# DeepSpec's training default; only its trainer reads it, but its model constructor requires the field.
+DEFAULT_NUM_ANCHORS = 512
+# Fields DeepSpec adds to the copied target config (plus `layer_types`, `num_hidden_layers`, re-set on export).
+_DSPARK_FIELDS = (
+    "num_target_layers",
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "num_anchors",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "markov_rank",
+    "markov_head_type",
+    "target_model_type",
+    "target_text_model_type",
+)
+# dspark-hf fields DeepSpec has no place for; exported under this key (DeepSpec ignores it) and read back.
+EXTRAS_KEY = "dspark_hf"
+_EXTRA_FIELDS = (
+    "sts_temperatures",
+    "verify_policy",
+    "confidence_threshold",
+    "target_name_or_path",
+    "target_tokenizer_hash",
+    "target_chat_template_hash",
+)
+_PREFIXES = ("_orig_mod.", "model.")
+# `revision` / `local_files_only` only matter while resolving a Hub id (`resolve_deepspec_folder`).
+_LOAD_KWARGS = (
+    "dtype",
+    "attn_implementation",
+    "target",
+    "tokenizer",
+    "subfolder",
+    "revision",
+    "local_files_only",
+    "use_safetensors",
+)
+
+
+def is_deepspec_config(config: dict) -> bool:
+    """True for a DeepSpec draft `config.json`: an architecture ending in "DSparkModel" and not our model_type."""
+    architectures = config.get("architectures") or []
+    return any(str(a).endswith("DSparkModel") for a in architectures) and config.get("model_type") != "dspark"
+
+
+def _require(config: dict, *names: str) -> None:
+    missing = [n for n in names if n not in config]
+    if missing:
+        raise ValueError(f"DeepSpec config lacks the DSpark field(s) {missing}; is it a DeepSpec draft config.json?")
+
+
+def _target_config(config: dict) -> PreTrainedConfig:
+    """Rebuild the target's config from the deep-copied fields (with the target's depth, not the drafter's)."""
+    fields = {k: v for k, v in config.items() if k not in _DSPARK_FIELDS and k not in (EXTRAS_KEY, "architectures")}
+    for key in ("model_type", "transformers_version", "layer_types", "tie_word_embeddings"):
+        fields.pop(key, None)  # layer_types describes the draft layers, not the target's
+    fields["num_hidden_layers"] = int(config["num_target_layers"])
+    model_type = config.get("model_type") or ""
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError:  # a model type this transformers does not know: keep the fields as plain attributes
+        target = PreTrainedConfig(**fields)
+        target.model_type = model_type
+        return target
+
+
+def dspark_config_from_deepspec(config: dict) -> DSparkConfig:
+    """Map a DeepSpec draft `config.json` (a dict) onto a `DSparkConfig`.
+
+    Target fingerprint and backbone shapes (hidden size, vocabulary, bos/eos/pad, heads, FFN, RoPE, soft-capping)
+    come from the copied target fields through `DSparkConfig.for_target`; the DSpark fields are mapped one to one
+    (`markov_head_type` vanilla/gated/rnn -> markov/gated_markov/rnn, `markov_rank=0` -> "none"). DeepSpec's
+    Qwen3 attention always applies per-head QK-norm, so `use_qk_norm=True` whatever the target family.
+    `Gemma4DSparkModel` configs raise `ValueError` (see the module docstring).
+    """
+    if not is_deepspec_config(config):
+        raise ValueError(
+            f"Not a DeepSpec DSpark config (architectures={config.get('architectures')}, "
+            f"model_type={config.get('model_type')!r})."
+        )
+    if GEMMA4_ARCHITECTURE in config["architectures"]:
+        raise ValueError(
+            "DeepSpec Gemma4 drafters are not supported: their draft layer (sandwich norms, unscaled value norm, "
+            "layer_scalar, attention scale 1.0, sqrt(d)-scaled embeddings) has no dspark-hf equivalent yet; only "
+            f"{QWEN3_ARCHITECTURE} checkpoints convert."
+        )
+    _require(config, "num_target_layers", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id")
+    _require(config, "markov_rank", "enable_confidence_head")
+    rank = int(config["markov_rank"])
+    if rank > 0:
+        _require(config, "markov_head_type")
+        head_type = str(config["markov_head_type"]).lower()
+        if head_type not in HEAD_TYPES:
+            raise ValueError(f"Unknown DeepSpec `markov_head_type={head_type!r}`; expected one of {list(HEAD_TYPES)}.")
+    confidence = bool(config["enable_confidence_head"])
+    if confidence:
+        _require(config, "confidence_head_with_markov")
+    layer_ids = [int(i) for i in config["target_layer_ids"]]
+    if -1 in layer_ids:
+        raise ValueError(
+            f"`target_layer_ids={layer_ids}` taps the embedding output (-1), which dspark-hf's feature tap does not "
+            "support."
+        )
+    fields = dict(
+        num_hidden_layers=int(config["num_hidden_layers"]),
+        block_size=int(config["block_size"]),
+        target_layer_ids=layer_ids,
+        mask_token_id=int(config["mask_token_id"]),
+        sequential_head=HEAD_TYPES[str(config["markov_head_type"]).lower()] if rank > 0 else "none",
+        markov_rank=rank,
+        confidence_head=confidence,
+        # DeepSpec writes this field only when the confidence head exists
+        confidence_with_markov=bool(config.get("confidence_head_with_markov", False)),
+        use_qk_norm=True,  # diff with for_target: DeepSpec's attention always has q_norm/k_norm, whatever the target
+        tie_word_embeddings=False,
+    )
+    fields.update({k: v for k, v in (config.get(EXTRAS_KEY) or {}).items() if k in _EXTRA_FIELDS})
+    return DSparkConfig.for_target(_target_config(config), **fields)
+
+
+def _strip_prefix(key: str) -> str:
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix) :]
+    return key
+
+
+def convert_deepspec_state_dict(state_dict: dict[str, torch.Tensor]):
+    """Split a DeepSpec draft state dict into `(ours, borrowed)`.
+
+    Prefixes `_orig_mod.` and `model.` are stripped; `borrowed` holds the frozen target copies
+    (`embed_tokens.weight`, `lm_head.weight`), which dspark-hf takes from the live target instead. The other keys
+    already carry our names and are returned unchanged.
+    """
+    ours, borrowed = {}, {}
+    for key, tensor in state_dict.items():
+        name = _strip_prefix(key)
+        out = borrowed if name in BORROWED_KEYS else ours
+        if name in out:
+            raise ValueError(f"DeepSpec state dict has {name!r} twice (with and without a prefix, e.g. {key!r}).")
+        out[name] = tensor
+    return ours, borrowed
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise OSError(f"No config.json in {folder}; it is not a DeepSpec checkpoint folder.")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every `*.safetensors` shard (safetensors only; pickle folders are refused)."""
+    check_checkpoint_files(folder, {})
+    state_dict = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(shard)
+        repeated = sorted(set(tensors) & set(state_dict))
+        if repeated:
+            raise ValueError(f"{shard.name} repeats tensors of another shard: {repeated[:5]}.")
+        state_dict.update(tensors)
+    return state_dict
+
+
+def _check_keys(model: DSparkDraftModel, ours: dict, borrowed: dict, folder: Path) -> None:
+    """Strict: every drafter weight present with the right shape, nothing unknown."""
+    expected = model.state_dict()
+    unknown, missing = sorted(set(ours) - set(expected)), sorted(set(expected) - set(ours))
+    if unknown or missing:
+        raise ValueError(
+            f"The DeepSpec checkpoint at {folder} does not match its config.json: unknown weight(s) {unknown}, "
+            f"missing weight(s) {missing}. Was config.json edited, or the checkpoint saved by another DeepSpec "
+            "version?"
+        )
+    wrong = [
+        f"{k}: {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in ours.items() if v.shape != expected[k].shape
+    ]
+    config = model.config
+    for key, shape in zip(BORROWED_KEYS, [(config.vocab_size, config.hidden_size)] * 2):
+        if key in borrowed and tuple(borrowed[key].shape) != shape:
+            wrong.append(f"{key}: {tuple(borrowed[key].shape)} vs {shape}")
+    if wrong:
+        raise ValueError(f"The DeepSpec checkpoint at {folder} has weights of the wrong shape: {wrong[:5]}.")
+
+
+def _check_borrowed(borrowed: dict, target) -> None:
+    """The frozen copies should equal the target's: a mismatch means another target (e.g. a fine-tune)."""
+    pairs = zip(BORROWED_KEYS, (target.get_input_embeddings(), target.get_output_embeddings()))
+    for key, module in pairs:
+        if key in borrowed and module is not None:
+            theirs = module.weight.detach().to(device="cpu", dtype=borrowed[key].dtype)
+            if theirs.shape != borrowed[key].shape or not torch.equal(theirs, borrowed[key]):
+                logger.warning_once(
+                    f"The DeepSpec drafter's copy of `{key}` differs from the target's: it was trained with another "
+                    "target. Outputs stay lossless, but acceptance may be lower."
+                )
+
+
+def load_deepspec_checkpoint(path: str | os.PathLike, **kwargs: Any) -> DSparkDraftModel:
+    """Load a local DeepSpec DSpark checkpoint folder as a `DSparkDraftModel` (in eval mode).
+
+    Keyword arguments: `dtype` (default: the checkpoint's dtype), `attn_implementation`, `subfolder`, and
+    `target=` / `tokenizer=` to check the pairing at load time (as `DSparkDraftModel.from_pretrained` does). The
+    frozen `embed_tokens` / `lm_head` copies are checked for shape (and against `target`, if given) and dropped.
+    """
+    unsupported = sorted(set(kwargs) - set(_LOAD_KWARGS))
+    if unsupported:
+        raise TypeError(f"Loading a DeepSpec checkpoint supports only {list(_LOAD_KWARGS)}; got {unsupported}.")
+    if kwargs.get("use_safetensors") is False:
+        raise ValueError("DeepSpec checkpoints load from safetensors only; drop `use_safetensors=False`.")
+    folder = Path(path) / (kwargs.get("subfolder") or "")
+    config = dspark_config_from_deepspec(_read_config(folder))
+    if kwargs.get("attn_implementation"):
+        config._attn_implementation = kwargs["attn_implementation"]
+    ours, borrowed = convert_deepspec_state_dict(_read_state_dict(folder))
+    model = DSparkDraftModel(config)
+    _check_keys(model, ours, borrowed, folder)
+    model.load_state_dict(ours, strict=True)
+    dtype = kwargs.get("dtype")
+    if dtype is None or dtype == "auto":  # like transformers' default: keep the dtype the weights were saved in
+        dtype = next(iter(ours.values())).dtype
+    model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    model.config.name_or_path = str(path)
+    target = kwargs.get("target")
+    if target is not None:
+        model.config.check_target(target.config, kwargs.get("tokenizer"))
+        _check_borrowed(borrowed, target)
+    return model.eval()
+
+
+def resolve_deepspec_folder(path: str | os.PathLike, kwargs: dict) -> Path | None:
+    """The local folder of a DeepSpec checkpoint at `path` (a folder, or a Hub repo already in the local cache).
+
+    Returns None when `path` is not a DeepSpec checkpoint (or a Hub repo not downloaded yet), so that the caller
+    falls back to the ordinary dspark-hf loading path.
+    """
+    sub = kwargs.get("subfolder") or ""
+    local = Path(path)
+    if local.is_dir():
+        config_path = local / sub / "config.json"
+        return local if config_path.is_file() and is_deepspec_config(_read_config(local / sub)) else None
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    revision = kwargs.get("revision")
+    try:
+        config_file = hf_hub_download(
+            str(path), "config.json", subfolder=sub or None, revision=revision, local_files_only=True
+        )
+        if not is_deepspec_config(json.loads(Path(config_file).read_text(encoding="utf-8"))):
+            return None
+        return Path(snapshot_download(str(path), revision=revision, local_files_only=True))
+    except (HFValidationError, LocalEntryNotFoundError):
+        return None
+
+
+def _check_exportable(drafter: DSparkDraftModel, target) -> None:
+    """Raise `ValueError` for drafters that DeepSpec's Qwen3DSparkModel cannot represent exactly."""
+    config = drafter.config
+    config.check_target(target.config)
+    reasons = []
+    if config.target_model_type.startswith("gemma") or config.final_logit_softcapping is not None:
+        reasons.append(f"it was made for a {config.target_model_type!r} target (Gemma: see the module docstring)")
+    if not config.use_qk_norm:
+        reasons.append("it has no QK-norm (`use_qk_norm=False`), which Qwen3DSparkModel always applies")
+    if config.mask_token_id is None:
+        reasons.append("it learns a mask embedding (`mask_token_id=None`); DeepSpec needs a vocabulary mask token")
+    if config.mlp_bias:
+        reasons.append("its MLP has biases (`mlp_bias=True`); Qwen3's has none")
+    if reasons:
+        raise ValueError(
+            "This drafter has no DeepSpec equivalent: " + "; ".join(reasons) + ". Train one with "
+            "DSparkConfig.for_target(target.config, use_qk_norm=True, ...) and a `mask_token_id` to export it."
+        )
+
+
+def deepspec_config_dict(drafter: DSparkDraftModel, target, num_anchors: int = DEFAULT_NUM_ANCHORS) -> dict:
+    """DeepSpec's `config.json` for `drafter`: the target's config dict + the drafter's shapes + DSpark fields."""
+    config = drafter.config
+    out = target.config.get_text_config(decoder=True).to_dict()
+    rank = config.markov_rank if config.sequential_head != "none" else 0
+    out.update(
+        architectures=[QWEN3_ARCHITECTURE],  # our draft layer is Qwen3's (Llama blocks + QK-norm), see docstring
+        # the drafter's own backbone shapes (equal to the target's unless overridden at training time)
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act=config.hidden_act,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=config.rope_parameters,
+        max_position_embeddings=config.max_position_embeddings,
+        attention_bias=config.attention_bias,
+        attention_dropout=config.attention_dropout,
+        # DSpark fields, as DeepSpec's build_draft_config writes them
+        num_hidden_layers=config.num_hidden_layers,
+        num_target_layers=config.num_target_layers,
+        block_size=config.block_size,
+        target_layer_ids=list(config.target_layer_ids),
+        mask_token_id=config.mask_token_id,
+        num_anchors=int(num_anchors),
+        enable_confidence_head=config.confidence_head,
+        confidence_head_with_markov=config.confidence_with_markov,
+        markov_rank=rank,
+        tie_word_embeddings=False,
+        layer_types=list(config.layer_types),
+        dtype=str(drafter.dtype).removeprefix("torch."),
+    )
+    if rank > 0:
+        out["markov_head_type"] = {v: k for k, v in HEAD_TYPES.items()}[config.sequential_head]
+    out[EXTRAS_KEY] = {k: getattr(config, k) for k in _EXTRA_FIELDS}
+    return out
+
+
+def export_deepspec(
+    drafter: DSparkDraftModel,
+    target,
+    out_dir: str | os.PathLike,
+    num_anchors: int = DEFAULT_NUM_ANCHORS,
+    overwrite: bool = False,
+) -> Path:
+    """Write `drafter` as a DeepSpec `Qwen3DSparkModel` checkpoint (`config.json` + `model.safetensors`).
+
+    The state dict is ours plus `embed_tokens.weight` / `lm_head.weight` copied from `target` (in the drafter's
+    dtype), as DeepSpec stores them. Qwen3DSparkModel is used for every exportable target (Qwen, Llama, Mistral, …):
+    its decoder layer is exactly ours with QK-norm; Gemma-family drafters are refused (no Gemma4DSparkModel
+    equivalent). The folder is written under a temporary name next to `out_dir` and renamed into place.
+    """
+    _check_exportable(drafter, target)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it.")
+    dtype = drafter.dtype
+    state_dict = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    borrowed = zip(BORROWED_KEYS, (target.get_input_embeddings(), target.get_output_embeddings()))
+    for key, module in borrowed:
+        # clone: a tied target shares one tensor between both, which safetensors refuses to store twice
+        state_dict[key] = module.weight.detach().to(device="cpu", dtype=dtype).clone().contiguous()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        save_file(state_dict, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = deepspec_config_dict(drafter, target, num_anchors)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+__all__ = [
+    "convert_deepspec_state_dict",
+    "deepspec_config_dict",
+    "dspark_config_from_deepspec",
+    "export_deepspec",
+    "is_deepspec_config",
+    "load_deepspec_checkpoint",
+    "resolve_deepspec_folder",
+]
