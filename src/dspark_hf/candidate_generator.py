@@ -17,6 +17,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .generation import eos_token_ids
+from .profiling import sps_for
 from .scheduler import build_admission
 from .stats import DSparkGenerationStats
 
@@ -61,7 +62,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = {
             "output_hidden_states": True if generation_config.output_hidden_states else taps
         }
-        self.admit = build_admission(config, getattr(drafter, "sps_profile", None))
+        sps = getattr(drafter, "sps_profile", None)
+        if config.verify_policy == "scheduler" and config.confidence_head:
+            # the checkpoint's sps_profile.json if it fits this target and hardware, else a quick profile
+            sps = sps_for(drafter, target)
+        self.admit = build_admission(config, sps)
         self.cache = DynamicCache()
         self.context_len = 0  # target positions whose features are in the drafter cache
         self.pending: tuple[int, int] | None = None  # (sequence length, drafts proposed); None for the prefill

@@ -137,6 +137,39 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from .profiling import plot_profile, profile_target, save_profile
+
+    dtype = getattr(torch, args.dtype)
+    if args.target is None:
+        from .default import load_default_target
+
+        target, _ = load_default_target(dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target.to(device)
+    profile = profile_target(
+        target, lengths=range(1, args.max_tokens + 1), context_len=args.context_len, repeats=args.repeats
+    )
+    save_profile(profile, args.out)
+    threads, context = profile["torch_threads"], profile["context_len"]
+    print(f"{profile['device']} ({profile['dtype']}, {threads} threads), verify on a cache of {context} tokens")
+    print(f"{'B':>4} {'verify ms':>10} {'steps/s':>9}")
+    for tokens, sps in sorted(((int(b), v) for b, v in profile["sps"].items())):
+        print(f"{tokens:>4} {profile['verify_ms'][str(tokens)]:>10.2f} {sps:>9.1f}")
+    print(f"wrote {args.out} (put it in the drafter checkpoint's folder for verify_policy='scheduler')")
+    if args.png:
+        try:
+            plot_profile(profile, args.png)
+            print(f"wrote {args.png}")
+        except ImportError as e:
+            print(f"no plot: {e}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N more steps")
     train.set_defaults(func=cmd_train)
+
+    profile = sub.add_parser("profile", help="measure target verify steps/s per verify size (Algorithm 1's SPS)")
+    profile.add_argument("--target", help="target model path or Hub id (default: embedded SmolLM2-135M-Instruct)")
+    profile.add_argument("--max-tokens", type=int, default=16, help="profile verify batches of 1..N tokens")
+    profile.add_argument("--context-len", type=int, default=256, help="prefilled KV cache length")
+    profile.add_argument("--repeats", type=int, default=5, help="timed runs per size (median taken)")
+    profile.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
+    profile.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    profile.add_argument("--out", default="sps_profile.json")
+    profile.add_argument("--png", default="sps_profile.png", help="plot path ('' for none; needs matplotlib)")
+    profile.set_defaults(func=cmd_profile)
 
     cal = sub.add_parser("calibrate", help="fit STS temperatures on held-out data, store them in the checkpoint")
     cal.add_argument("--data", required=True, help="held-out token dataset (.npz)")

@@ -20,7 +20,14 @@ from .utils import atomic_write_json
 logger = logging.get_logger(__name__)
 
 # Modules copied into custom_generate/: they import only each other (relatively), torch and transformers.
-CUSTOM_GENERATE_MODULES = ("generation.py", "candidate_generator.py", "scheduler.py", "stats.py")
+CUSTOM_GENERATE_MODULES = (
+    "generation.py",
+    "candidate_generator.py",
+    "scheduler.py",
+    "stats.py",
+    "profiling.py",
+    "utils.py",
+)
 _CUSTOM_GENERATE_ENTRY = '''"""DSpark assisted generation for users without the dspark-hf package:
 
     target.generate(**inputs, assistant_model=drafter, custom_generate="<this repo>", trust_remote_code=True)
@@ -49,7 +56,7 @@ def write_custom_generate(out_dir: str | os.PathLike) -> Path:
     for name in CUSTOM_GENERATE_MODULES:
         shutil.copyfile(package / name, folder / name)
     (folder / "generate.py").write_text(_CUSTOM_GENERATE_ENTRY)
-    (folder / "requirements.txt").write_text("torch\ntransformers>=5.24,<6\npackaging\n")
+    (folder / "requirements.txt").write_text("torch\ntransformers>=5.24,<6\npackaging\ntqdm\n")
     return folder
 
 

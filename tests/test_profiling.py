@@ -1,0 +1,181 @@
+"""The profiler behind verify_policy="scheduler": profiles, files, lookup next to the checkpoint, generate()."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from transformers.testing_utils import CaptureLogger
+
+import dspark_hf.profiling as profiling
+from conftest import make_drafter, make_target
+from dspark_hf import DSparkDraftModel
+from dspark_hf.cli import main
+from dspark_hf.profiling import (
+    PROFILE_FORMAT,
+    find_profile,
+    load_profile,
+    profile_target,
+    save_profile,
+    sps_for,
+    sps_table,
+)
+
+
+def quick_profile(target, n=5, **kwargs):
+    return profile_target(
+        target, lengths=range(1, n + 1), context_len=16, warmup=1, repeats=2, progress=False, **kwargs
+    )
+
+
+HEAD = '{"format": "dspark-sps-v1", '
+
+
+def greedy(target, ids, **kwargs):
+    return target.generate(ids, do_sample=False, max_new_tokens=17, **kwargs)
+
+
+def test_profile_has_the_documented_keys(target):
+    profile = quick_profile(target, batch_sizes=(1, 2))
+    assert profile["format"] == PROFILE_FORMAT and profile["device"] == "cpu" and profile["dtype"] == "float32"
+    assert profile["torch_threads"] == torch.get_num_threads() and profile["context_len"] == 16
+    assert profile["target"] == {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 4, "vocab_size": 99}
+    assert set(profile["verify_ms"]) == {str(k) for k in range(1, 6)} | {f"2,{k}" for k in range(1, 6)}
+    table = sps_table(profile)
+    assert list(table) == [1, 2, 3, 4, 5] and all(v > 0 for v in table.values())
+    assert table[3] == pytest.approx(1000.0 / profile["verify_ms"]["3"])
+    assert set(profile["sps_by_batch"]["2"]) == {"2", "4", "6", "8", "10"}
+    json.dumps(profile)  # JSON-able as is
+
+
+def test_profiling_leaves_the_global_rng_alone(target):
+    state = torch.random.get_rng_state()
+    quick_profile(target, n=2)
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_save_load_round_trip(tmp_path, target):
+    profile = quick_profile(target, n=3)
+    path = save_profile(profile, tmp_path / "sub" / "sps_profile.json")
+    assert load_profile(path) == json.loads(json.dumps(profile))
+    assert sps_table(load_profile(path)) == sps_table(profile)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"format": "other"}', "format"),
+        (HEAD + '"device": 3, "dtype": "float32", "target": {}, "sps": {"1": 1}}', "device"),
+        (HEAD + '"device": "cpu", "dtype": "float32", "target": [], "sps": {"1": 1}}', "fingerprint"),
+        (HEAD + '"device": "cpu", "dtype": "float32", "target": {}, "sps": {}}', "non-empty"),
+        (HEAD + '"device": "cpu", "dtype": "float32", "target": {}, "sps": {"a": 1}}', "'a'"),
+        (HEAD + '"device": "cpu", "dtype": "float32", "target": {}, "sps": {"1": -2}}', "positive"),
+    ],
+)
+def test_load_of_a_bad_file_raises_value_error(tmp_path, content, match):
+    path = tmp_path / "sps_profile.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match) as info:
+        load_profile(path)
+    assert "sps_profile.json" in str(info.value) and "dspark-hf profile" in str(info.value)
+
+
+def test_find_profile_next_to_the_checkpoint(tmp_path, target):
+    make_drafter(target).save_pretrained(tmp_path / "drafter")
+    drafter = DSparkDraftModel.from_pretrained(tmp_path / "drafter")
+    assert find_profile(drafter, target) is None  # no file: nothing found, nothing to warn about
+    profile = quick_profile(target, n=drafter.config.block_size + 1)
+    save_profile(profile, tmp_path / "drafter" / "sps_profile.json")
+    assert find_profile(drafter, target) == sps_table(profile)
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda p: p["target"].update(hidden_size=64), "profiled for target"),
+        (lambda p: p.update(dtype="bfloat16"), "cpu/bfloat16"),
+        (lambda p: p.update(device="NVIDIA H200"), "NVIDIA H200/float32"),
+        (lambda p: p.update(sps={"1": 5.0, "2": 4.0}), "up to 2 tokens"),
+    ],
+)
+def test_find_profile_rejects_a_mismatch_with_a_warning(tmp_path, target, change, why):
+    drafter = make_drafter(target)
+    drafter.config._name_or_path = str(tmp_path)
+    profile = quick_profile(target, n=drafter.config.block_size + 1)
+    change(profile)
+    save_profile(profile, tmp_path / "sps_profile.json")
+    with CaptureLogger(profiling.logger) as captured:
+        assert find_profile(drafter, target) is None
+    assert "Ignoring" in captured.out and why in captured.out
+
+
+def test_scheduler_with_a_flat_profile_verifies_whole_blocks(target):
+    drafter = make_drafter(target, verify_policy="scheduler")
+    drafter.sps_profile = {b: 100.0 for b in range(1, 10)}
+    ids = torch.randint(0, 99, (1, 5))
+    assert torch.equal(greedy(target, ids), greedy(target, ids, assistant_model=drafter))
+    stats, gamma = drafter.generation_stats, drafter.config.block_size
+    # every step verifies the whole block, or what the length limit leaves of it at the end
+    cur_len, max_length, expected = ids.shape[1] + 1, ids.shape[1] + 17, []
+    for accepted in stats.accepted_lengths:
+        expected.append(min(gamma, max_length - cur_len - 1))
+        cur_len += accepted + 1
+    assert stats.verify_lengths == expected and expected[0] == gamma
+    assert drafter.sps_profile == {b: 100.0 for b in range(1, 10)}  # a user profile is kept as is
+
+
+def test_scheduler_with_a_steep_profile_verifies_nothing(target):
+    drafter = make_drafter(target, verify_policy="scheduler")
+    drafter.sps_profile = {b: 100.0 / b for b in range(1, 10)}
+    ids = torch.randint(0, 99, (1, 5))
+    assert torch.equal(greedy(target, ids), greedy(target, ids, assistant_model=drafter))
+    assert set(drafter.generation_stats.verify_lengths) == {0}
+
+
+def test_scheduler_without_a_profile_profiles_once_on_the_fly(target, monkeypatch):
+    drafter = make_drafter(target, verify_policy="scheduler")
+    assert getattr(drafter, "sps_profile", None) is None
+    calls = []
+    original = profiling.profile_target
+    monkeypatch.setattr(profiling, "profile_target", lambda *a, **k: calls.append(k) or original(*a, **k))
+    ids = torch.randint(0, 99, (1, 5))
+    with CaptureLogger(profiling.logger) as captured:
+        out = greedy(target, ids, assistant_model=drafter)
+    assert torch.equal(greedy(target, ids), out)
+    assert "quick profile" in captured.out and len(calls) == 1
+    assert calls[0]["lengths"] == range(1, drafter.config.block_size + 2) and calls[0]["context_len"] == 64
+    table = drafter.sps_profile
+    assert sorted(table) == list(range(1, drafter.config.block_size + 2)) and all(v > 0 for v in table.values())
+    assert torch.equal(greedy(target, ids), greedy(target, ids, assistant_model=drafter))
+    assert len(calls) == 1 and drafter.sps_profile is table  # reused by later calls
+
+
+def test_sps_for_prefers_the_checkpoint_profile_and_re_resolves_for_another_target(tmp_path, target):
+    drafter = make_drafter(target, verify_policy="scheduler")
+    drafter.config._name_or_path = str(tmp_path)
+    profile = quick_profile(target, n=drafter.config.block_size + 1)
+    save_profile(profile, tmp_path / "sps_profile.json")
+    assert sps_for(drafter, target) == sps_table(profile) and drafter.sps_profile == sps_table(profile)
+    other = make_target(num_layers=2)  # another fingerprint: the cached table no longer applies
+    with CaptureLogger(profiling.logger) as captured:
+        table = sps_for(drafter, other)
+    assert "profiled for target" in captured.out and "quick profile" in captured.out
+    assert table is drafter.sps_profile and table != sps_table(profile)
+
+
+def test_cli_profile_writes_json_and_png(tmp_path, capsys):
+    make_target().save_pretrained(tmp_path / "target")
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    argv = ["profile", "--target", str(tmp_path / "target"), "--max-tokens", "4", "--repeats", "1"]
+    code = main(argv + ["--context-len", "16", "--out", str(out), "--png", str(png), "--device", "cpu"])
+    assert code == 0
+    profile = load_profile(out)
+    assert sorted(sps_table(profile)) == [1, 2, 3, 4] and profile["context_len"] == 16
+    assert profile["target"]["vocab_size"] == 99
+    printed = capsys.readouterr().out
+    assert "steps/s" in printed and str(out) in printed
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed: no PNG to check")
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
