@@ -69,7 +69,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.admit = build_admission(config, sps)
         self.cache = DynamicCache()
         self.context_len = 0  # target positions whose features are in the drafter cache
-        self.pending: tuple[int, int] | None = None  # (sequence length, drafts proposed); None for the prefill
+        self.pending = None  # (sequence length, drafts proposed, survivals examined); None for the prefill
         self.stats = DSparkGenerationStats(block_size=config.block_size)
         drafter.generation_stats = self.stats
 
@@ -118,14 +118,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # schedule: sample token by token, stopping where verification stops paying
         budget = min(self.config.block_size, self.max_length - cur_len - 1)
         if budget <= 0:
-            self.pending = (cur_len, 0)
+            self.pending = (cur_len, 0, [])
             return input_ids, None
         draft = self.drafter.sample_block(
             hidden, input_ids, self.lm_head, self.logits_processor, self.do_sample, max_tokens=budget, admit=self.admit
         )
         candidate_ids = torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=-1)
         n = self._before_stop_string(candidate_ids, cur_len)
-        self.pending = (cur_len, n)
+        self.pending = (cur_len, n, draft.survival)
         if n == 0:
             return input_ids, None
         return candidate_ids[:, : cur_len + n], draft.logits[:, :n].float()
@@ -181,7 +181,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return  # the prefill: not a verify step
         proposed = self.pending[1]
         stopped = input_ids.shape[1] >= self.max_length or int(input_ids[0, -1]) in self.eos_ids
-        self.stats.record_step(proposed, int(num_matches), stopped=stopped)
+        self.stats.record_step(proposed, int(num_matches), stopped=stopped, survival=self.pending[2])
 
 
 __all__ = ["DSparkCandidateGenerator"]

@@ -19,13 +19,17 @@ class DSparkGenerationStats:
     verify_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     stopped: list[bool] = field(default_factory=list)
+    survivals: list[list[float]] = field(default_factory=list)
 
-    def record_step(self, verified: int, accepted: int, stopped: bool = False) -> None:
+    def record_step(self, verified: int, accepted: int, stopped: bool = False, survival=None) -> None:
+        """One verify pass; `survival` is the calibrated cumulative survival of the positions the drafter examined
+        (kept for calibration checks and the what-if simulator)."""
         if not 0 <= accepted <= verified:
             raise ValueError(f"accepted ({accepted}) must lie in 0..verified ({verified}).")
         self.verify_lengths.append(verified)
         self.accepted_lengths.append(accepted)
         self.stopped.append(stopped)
+        self.survivals.append(list(survival or []))
 
     @property
     def num_target_forwards(self) -> int:
@@ -69,6 +73,8 @@ class DSparkGenerationStats:
             "mean_verify_length": self.mean_verify_length,
             "verify_lengths": list(self.verify_lengths),
             "accepted_lengths": list(self.accepted_lengths),
+            "stopped": list(self.stopped),
+            "survivals": [list(x) for x in self.survivals],
         }
 
     def merge(self, other: "DSparkGenerationStats") -> "DSparkGenerationStats":
@@ -82,4 +88,5 @@ class DSparkGenerationStats:
             merged.verify_lengths += s.verify_lengths
             merged.accepted_lengths += s.accepted_lengths
             merged.stopped += s.stopped
+            merged.survivals += s.survivals
         return merged
