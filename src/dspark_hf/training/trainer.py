@@ -149,6 +149,21 @@ class DSparkTrainer:
         ids, mask = self.dataset.batch(indices.tolist(), self.config.seq_len, gen)
         return ids.to(self.accelerator.device), mask.to(self.accelerator.device), gen
 
+    def _loss(self, drafter, ids, mask, gen):
+        cfg = self.config
+        return training_loss(
+            drafter,
+            self.target,
+            ids,
+            mask,
+            cfg.num_anchors,
+            gen,
+            decay=cfg.loss_decay,
+            alpha_ce=cfg.alpha_ce,
+            alpha_tv=cfg.alpha_tv,
+            alpha_conf=cfg.alpha_conf,
+        )
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out loss, per-position accuracy and teacher-forced greedy τ on fixed, seeded batches."""
@@ -159,18 +174,7 @@ class DSparkTrainer:
             gen = torch.Generator().manual_seed(10_000 + b)
             indices = torch.randint(0, len(self.heldout), (cfg.batch_size,), generator=gen)
             ids, mask = self.heldout.batch(indices.tolist(), cfg.seq_len, gen)
-            out = training_loss(
-                module,
-                self.target,
-                ids.to(self.accelerator.device),
-                mask.to(self.accelerator.device),
-                cfg.num_anchors,
-                gen,
-                decay=cfg.loss_decay,
-                alpha_ce=cfg.alpha_ce,
-                alpha_tv=cfg.alpha_tv,
-                alpha_conf=cfg.alpha_conf,
-            )
+            out = self._loss(module, ids.to(self.accelerator.device), mask.to(self.accelerator.device), gen)
             totals += out.loss.item()
             taus.append(out.greedy_tau.item())
             accs.append(out.accuracy)
@@ -197,18 +201,7 @@ class DSparkTrainer:
         cfg = self.config
         ids, mask, gen = self.batch_for(self.step)
         with self.accelerator.autocast():
-            out = training_loss(
-                self.drafter,
-                self.target,
-                ids,
-                mask,
-                cfg.num_anchors,
-                gen,
-                decay=cfg.loss_decay,
-                alpha_ce=cfg.alpha_ce,
-                alpha_tv=cfg.alpha_tv,
-                alpha_conf=cfg.alpha_conf,
-            )
+            out = self._loss(self.drafter, ids, mask, gen)
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(out.loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
