@@ -20,10 +20,10 @@ def _seed():
     random.seed(0)
 
 
-def make_target(vocab_size=99, num_layers=4, seed=0, **overrides) -> LlamaForCausalLM:
-    """A tiny Llama with deliberately odd sizes (hidden 32, head_dim 8, intermediate 37)."""
+def make_target(vocab_size=99, num_layers=4, seed=0, config_cls=LlamaConfig, model_cls=LlamaForCausalLM, **overrides):
+    """A tiny Llama (or another family) with deliberately odd sizes (hidden 32, head_dim 8, intermediate 37)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=37,
@@ -38,7 +38,7 @@ def make_target(vocab_size=99, num_layers=4, seed=0, **overrides) -> LlamaForCau
         attn_implementation="eager",
         **overrides,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = model_cls(config).eval()
     model.generation_config.pad_token_id = None
     model.generation_config.eos_token_id = None
     model.generation_config.bos_token_id = None

@@ -158,23 +158,7 @@ def test_return_dict_with_hidden_states(target, drafter):
 def test_qwen3_target_with_qk_norm():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=99,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        attn_implementation="eager",
-    )
-    target = Qwen3ForCausalLM(config).eval()
-    target.generation_config.eos_token_id = None
+    target = make_target(config_cls=Qwen3Config, model_cls=Qwen3ForCausalLM)
     drafter = make_drafter(target, mask_token_id=None)
     assert drafter.config.use_qk_norm and hasattr(drafter.layers[0].self_attn, "q_norm")
     ids = torch.randint(0, 99, (1, 6))
