@@ -124,7 +124,12 @@ def test_loaded_drafter_generates_like_the_original(target, tmp_path):
     stats_b = loaded.generation_stats
     assert torch.equal(ref, out_a) and torch.equal(ref, out_b)
     # identical weights draft identically: same verify/accept history
-    assert stats_b is not None and stats_a.to_dict() == stats_b.to_dict()
+    assert stats_b is not None
+    a, b = stats_a.to_dict(), stats_b.to_dict()
+    survivals_a, survivals_b = a.pop("survivals"), b.pop("survivals")
+    assert a == b  # identical decisions and acceptances
+    for x, y in zip(survivals_a, survivals_b, strict=True):  # float survivals: equal up to kernel rounding
+        assert x == pytest.approx(y, abs=1e-5)
 
 
 # -- remote code in a process that cannot import dspark_hf ---------------------------------------------------------
