@@ -1,4 +1,4 @@
-"""`dspark-hf` command line: `demo`, `bench`, `train` and `export` (more subcommands join as the pipeline grows)."""
+"""`dspark-hf` command line: `demo`, `bench`, `data`, `train`, `export` (more join as the pipeline grows)."""
 
 import argparse
 import sys
@@ -80,6 +80,55 @@ def cmd_train(args) -> int:
     drafter = trainer.train(resume=args.resume, stop_after=args.stop_after)
     print(f"step {trainer.step}/{config.max_steps}; checkpoints in {config.output_dir}")
     return 0 if drafter is not None else 1
+
+
+def cmd_data(args) -> int:
+    import json
+    import logging as pylogging
+    from pathlib import Path
+
+    from .training.generate_data import DataConfig, build_dataset, finalize_dataset
+
+    log = pylogging.getLogger("dspark_hf")
+    if not log.handlers:
+        log.addHandler(pylogging.StreamHandler())
+    log.setLevel(pylogging.INFO)
+    if args.finalize:
+        finalize_dataset(args.out)
+    else:
+        config = DataConfig(
+            num_prompts=args.num_prompts,
+            sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()),
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            chunk_size=args.chunk_size or 4 * args.batch_size,
+            teacher_forced_tokens=args.teacher_forced_tokens,
+            heldout_fraction=args.heldout_fraction,
+            seed=args.seed,
+            do_sample=args.sample,
+            exclude_eval=tuple(args.exclude_eval),
+            target=args.target or "default",
+        )
+        if args.target is None:
+            from .default import load_default_target
+
+            target, tokenizer = load_default_target()
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+            tokenizer = AutoTokenizer.from_pretrained(args.target)
+        build_dataset(target, tokenizer, args.out, config, max_chunks=args.max_chunks)
+    stats_path = Path(args.out) / "stats.json"
+    if stats_path.exists():
+        stats = json.loads(stats_path.read_text())
+        state = "complete" if stats["complete"] else f"partial: {stats['chunks_done']}/{stats['num_chunks']} chunks"
+        print(
+            f"{args.out}: train {stats['train_sequences']} sequences / {stats['train_tokens']} tokens, held-out "
+            f"{stats['heldout_sequences']} / {stats['heldout_tokens']} ({state}); "
+            f"{stats['generated_tokens_per_second']} generated tok/s"
+        )
+    return 0
 
 
 def cmd_export(args) -> int:
@@ -199,6 +248,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N more steps")
     train.set_defaults(func=cmd_train)
+
+    data = sub.add_parser("data", help="build a drafter training set: target-regenerated responses + plain text")
+    data.add_argument("--out", required=True, help="output folder (rerun with the same arguments to resume)")
+    data.add_argument("--target", help="target model path or Hub id (default: embedded SmolLM2-135M-Instruct)")
+    data.add_argument("--num-prompts", type=int, default=2000, help="prompts to answer with the target")
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--batch-size", type=int, default=16)
+    data.add_argument("--chunk-size", type=int, default=None, help="prompts per resumable chunk (4 x batch size)")
+    data.add_argument("--sources", default="chat,math,code,text", help="comma-separated prompt sources")
+    data.add_argument("--teacher-forced-tokens", type=int, default=0, help="tokens of plain text (no generation)")
+    data.add_argument("--exclude-eval", nargs="*", default=[], metavar="FILE", help="eval JSONL files to keep out")
+    data.add_argument("--heldout-fraction", type=float, default=0.05)
+    data.add_argument("--sample", action="store_true", help="sample with the target's recommended settings")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--max-chunks", type=int, default=None, help="stop after N more chunks (resume later)")
+    data.add_argument("--finalize", action="store_true", help="only merge the finished chunks into train/heldout")
+    data.set_defaults(func=cmd_data)
 
     profile = sub.add_parser("profile", help="measure target verify steps/s per verify size (Algorithm 1's SPS)")
     profile.add_argument("--target", help="target model path or Hub id (default: embedded SmolLM2-135M-Instruct)")
