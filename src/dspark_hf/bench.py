@@ -4,7 +4,6 @@ Runs alternate (plain first on even prompts, DSpark first on odd ones) so that d
 alike; speed is reported as a ratio measured in the same run, never as an absolute threshold.
 """
 
-import json
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from .stats import DSparkGenerationStats
-from .utils import atomic_write_json
+from .utils import atomic_write_json, read_jsonl
 
 
 logger = logging.get_logger(__name__)
@@ -23,17 +22,10 @@ def read_prompts(path: str | Path) -> list[dict]:
     """JSONL records with `"prompt"` (raw text), `"messages"` (chat) or `"turns"` (first user turn, as DeepSpec's
     evaluation files); blank lines are skipped. Raises ValueError naming the bad line."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno} is not valid JSON ({err}).") from err
-            if not isinstance(record, dict) or not any(k in record for k in ("prompt", "messages", "turns")):
-                raise ValueError(f'{path}:{lineno} needs a "prompt", "messages" or "turns" field.')
-            records.append(record)
+    for lineno, record in read_jsonl(path):
+        if not isinstance(record, dict) or not any(k in record for k in ("prompt", "messages", "turns")):
+            raise ValueError(f'{path}:{lineno} needs a "prompt", "messages" or "turns" field.')
+        records.append(record)
     if not records:
         raise ValueError(f"{path} holds no prompts.")
     return records

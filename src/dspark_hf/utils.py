@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes (nothing a user saved is ever half-written)."""
+"""Small shared helpers: atomic file writes (nothing a user saved is ever half-written), JSONL reading."""
 
 import json
 import os
@@ -22,3 +22,15 @@ def atomic_write_json(obj, path: str | os.PathLike) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def read_jsonl(path: str | os.PathLike):
+    """Yield `(line number, record)` for every non-blank line; ValueError names a line that is not JSON."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno} is not valid JSON ({err}).") from err

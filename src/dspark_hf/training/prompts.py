@@ -35,6 +35,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from ..utils import read_jsonl
+
 
 logger = logging.get_logger(__name__)
 
@@ -90,23 +92,16 @@ class EvalGuard:
         self.exact: set[str] = set()
         self.grams: set[str] = set()
         for path in self.files:
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{lineno} is not valid JSON ({err}).") from err
-                    if isinstance(record, str):
-                        record = {"prompt": record}
-                    turns = record.get("turns") or [
-                        m.get("content", "") for m in record.get("messages", []) if m.get("role", "user") == "user"
-                    ]
-                    if "prompt" in record:
-                        turns = [record["prompt"], *turns]
-                    for turn in turns:
-                        self.add(str(turn))
+            for _, record in read_jsonl(path):
+                if isinstance(record, str):
+                    record = {"prompt": record}
+                turns = record.get("turns") or [
+                    m.get("content", "") for m in record.get("messages", []) if m.get("role", "user") == "user"
+                ]
+                if "prompt" in record:
+                    turns = [record["prompt"], *turns]
+                for turn in turns:
+                    self.add(str(turn))
         self.rejected = 0
 
     def add(self, text: str) -> None:
