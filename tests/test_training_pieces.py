@@ -111,3 +111,45 @@ def test_training_step_updates_drafter_and_leaves_target_alone(target):
         assert not torch.equal(before[name], p), f"{name} did not change"
     for name, p in target.named_parameters():
         assert torch.equal(target_before[name], p) and p.grad is None
+
+
+@pytest.mark.parametrize("head", ["markov", "gated_markov", "rnn"])
+def test_shortlist_logits_are_the_full_logits_columns(target, head):
+    drafter = make_drafter(target, sequential_head=head)
+    lm_head = target.get_output_embeddings()
+    hidden, prev = torch.randn(2, 3, drafter.config.block_size, drafter.config.hidden_size), torch.randint(0, 99, (2, 3, drafter.config.block_size))
+    vocab_ids = torch.tensor([0, 5, 17, 42, 98])
+    full = drafter.block_logits(hidden, prev, lm_head)
+    short = drafter.block_logits(hidden, prev, lm_head, vocab_ids)
+    torch.testing.assert_close(short, full[..., vocab_ids])
+
+
+def test_training_on_a_shortlist(target):
+    from dspark_hf.training.dataset import TokenDataset
+    from dspark_hf.training.step import vocab_shortlist
+
+    drafter = make_drafter(target)
+    freeze(target)
+    # supervised tokens: 7 three times, 3 twice, 11 once; the prompt token 50 is never supervised
+    data = TokenDataset.from_sequences([[50, 7, 7, 3], [50, 50, 7, 3, 11]], loss_starts=[1, 2])
+    assert vocab_shortlist(data, 0) is None
+    assert vocab_shortlist(data, 2, always=[1]).tolist() == [1, 3, 7]
+    assert vocab_shortlist(data, 10).tolist() == [3, 7, 11]
+
+    ids = torch.randint(0, 99, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    everything = torch.arange(target.config.vocab_size)
+    full = training_loss(drafter, target, ids, mask, 6, torch.Generator().manual_seed(0))
+    same = training_loss(drafter, target, ids, mask, 6, torch.Generator().manual_seed(0), vocab_ids=everything)
+    for name in ("loss", "ce", "tv", "conf", "accuracy"):
+        torch.testing.assert_close(getattr(same, name), getattr(full, name))
+    # a shortlist of half the vocabulary: labels outside it give no CE and count as misses
+    half = torch.arange(0, target.config.vocab_size, 2)
+    short = training_loss(drafter, target, ids, mask, 6, torch.Generator().manual_seed(0), vocab_ids=half)
+    assert torch.isfinite(short.loss)
+    from dspark_hf.training.step import block_predictions
+
+    p = block_predictions(drafter, target, ids, mask, 6, torch.Generator().manual_seed(0), half)
+    labels = p.blocks.labels
+    assert p.draft_logits.shape[-1] == len(half)
+    torch.testing.assert_close(p.labels, torch.where(labels % 2 == 0, labels // 2, -1))

@@ -5,7 +5,8 @@ The parallel backbone gives base logits `U_k` for every block position at once. 
 `Π_k softmax(U_k + B_k)` becomes causal while every factor stays an exact softmax (which keeps rejection sampling
 exact). The confidence head predicts `c_k ≈ P(x_k accepted | x_1..x_{k-1} accepted)` before `x_k` is sampled.
 
-Shapes: `B` batch, `K` block positions handled in this call, `d` hidden size, `r` rank, `V` vocabulary.
+Shapes: `B` batch, `K` block positions handled in this call, `d` hidden size, `r` rank, `V` vocabulary (or `V'`,
+the length of `vocab_ids`, when training restricts the output to a shortlist of the vocabulary).
 Every head accepts `K` positions at once (teacher forcing in training) or `K = 1` with a carried `state`
 (token-by-token sampling at inference).
 """
@@ -29,9 +30,15 @@ class DSparkMarkovHead(nn.Module):
         """`W1[x_{k-1}]`: (B, K) -> (B, K, r). Also the Markov input of the confidence head."""
         return self.markov_w1(prev_ids)
 
-    def forward(self, prev_ids: torch.LongTensor, hidden_states: torch.Tensor, state: torch.Tensor | None = None):
+    def project(self, z: torch.Tensor, vocab_ids: torch.LongTensor | None = None) -> torch.Tensor:
+        """`z W2` over the vocabulary, or over the shortlist `vocab_ids` (V',): (B, K, r) -> (B, K, V or V')."""
+        if vocab_ids is None:
+            return self.markov_w2(z)
+        return nn.functional.linear(z, self.markov_w2.weight[vocab_ids])
+
+    def forward(self, prev_ids, hidden_states, state=None, vocab_ids=None):
         """prev_ids (B, K), hidden_states (B, K, d) -> bias (B, K, V), state (unused, passed through)."""
-        return self.markov_w2(self.token_embedding(prev_ids)), state
+        return self.project(self.token_embedding(prev_ids), vocab_ids), state
 
 
 class DSparkGatedMarkovHead(DSparkMarkovHead):
@@ -41,10 +48,10 @@ class DSparkGatedMarkovHead(DSparkMarkovHead):
         super().__init__(vocab_size, hidden_size, rank)
         self.gate_proj = nn.Linear(hidden_size + rank, rank, bias=True)
 
-    def forward(self, prev_ids: torch.LongTensor, hidden_states: torch.Tensor, state: torch.Tensor | None = None):
+    def forward(self, prev_ids, hidden_states, state=None, vocab_ids=None):
         emb = self.token_embedding(prev_ids)  # (B, K, r)
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden_states, emb], dim=-1)))  # (B, K, r)
-        return self.markov_w2(gate * emb), state
+        return self.project(gate * emb, vocab_ids), state
 
 
 class DSparkRNNHead(DSparkMarkovHead):
@@ -59,7 +66,7 @@ class DSparkRNNHead(DSparkMarkovHead):
         self.rank = rank
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=True)
 
-    def forward(self, prev_ids: torch.LongTensor, hidden_states: torch.Tensor, state: torch.Tensor | None = None):
+    def forward(self, prev_ids, hidden_states, state=None, vocab_ids=None):
         emb = self.token_embedding(prev_ids)  # (B, K, r)
         if state is None:
             state = emb.new_zeros(emb.shape[0], self.rank)
@@ -70,7 +77,7 @@ class DSparkRNNHead(DSparkMarkovHead):
             gate = torch.sigmoid(gate)
             state = gate * state + (1 - gate) * torch.tanh(cell)
             outputs.append(torch.tanh(out))
-        return self.markov_w2(torch.stack(outputs, dim=1)), state
+        return self.project(torch.stack(outputs, dim=1), vocab_ids), state
 
 
 SEQUENTIAL_HEAD_CLASSES = {"markov": DSparkMarkovHead, "gated_markov": DSparkGatedMarkovHead, "rnn": DSparkRNNHead}

@@ -323,19 +323,28 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     # -- heads ----------------------------------------------------------------------------------------------------
 
-    def base_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """`U_k = lm_head(h_k)`, soft-capped for Gemma-family targets: (B, K, d) -> (B, K, V) float32."""
-        logits = lm_head(hidden_states.to(lm_head.weight.dtype)).float()
+    def base_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module, vocab_ids=None) -> torch.Tensor:
+        """`U_k = lm_head(h_k)`, soft-capped for Gemma-family targets: (B, K, d) -> (B, K, V) float32.
+
+        With `vocab_ids` (V',) only those columns are computed, (B, K, V'): training on a vocabulary shortlist.
+        """
+        hidden_states = hidden_states.to(lm_head.weight.dtype)
+        if vocab_ids is None:
+            logits = lm_head(hidden_states).float()
+        else:
+            bias = lm_head.bias[vocab_ids] if getattr(lm_head, "bias", None) is not None else None
+            logits = nn.functional.linear(hidden_states, lm_head.weight[vocab_ids], bias).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def sequential_bias(self, prev_ids, hidden_states, state=None):
-        """`B_k`: prev_ids (B, K), hidden_states (B, K, d) -> bias (B, K, V) or None, new state."""
+    def sequential_bias(self, prev_ids, hidden_states, state=None, vocab_ids=None):
+        """`B_k`: prev_ids (B, K), hidden_states (B, K, d) -> bias (B, K, V) (or (B, K, V') over `vocab_ids`) or
+        None, new state."""
         if self.markov_head is None:
             return None, state
-        bias, state = self.markov_head(prev_ids, hidden_states, state)
+        bias, state = self.markov_head(prev_ids, hidden_states, state, vocab_ids)
         return bias.float(), state
 
     def confidence_logits(self, hidden_states: torch.Tensor, prev_ids: torch.LongTensor) -> torch.Tensor | None:
@@ -345,15 +354,16 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         prev_emb = self.markov_head.token_embedding(prev_ids) if self.config.confidence_with_markov else None
         return self.confidence_head(hidden_states, prev_emb).float()
 
-    def block_logits(self, hidden_states, prev_ids, lm_head):
+    def block_logits(self, hidden_states, prev_ids, lm_head, vocab_ids=None):
         """Teacher-forced draft logits `U_k + B_k(x*_{k-1})` for whole blocks (training, evaluation).
 
-        hidden_states (B, N, γ, d), prev_ids (B, N, γ) = [anchor, x*_1 .. x*_{γ-1}] per block -> (B, N, γ, V).
+        hidden_states (B, N, γ, d), prev_ids (B, N, γ) = [anchor, x*_1 .. x*_{γ-1}] per block -> (B, N, γ, V),
+        or (B, N, γ, V') over the shortlist `vocab_ids` (V',).
         """
         bsz, n_blocks, gamma, d = hidden_states.shape
         flat_h = hidden_states.reshape(bsz * n_blocks, gamma, d)  # (B·N, γ, d)
-        logits = self.base_logits(flat_h, lm_head)
-        bias, _ = self.sequential_bias(prev_ids.reshape(bsz * n_blocks, gamma), flat_h)
+        logits = self.base_logits(flat_h, lm_head, vocab_ids)
+        bias, _ = self.sequential_bias(prev_ids.reshape(bsz * n_blocks, gamma), flat_h, vocab_ids=vocab_ids)
         if bias is not None:
             logits = logits + bias
         return logits.reshape(bsz, n_blocks, gamma, -1)

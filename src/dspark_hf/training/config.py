@@ -16,6 +16,7 @@ class DSparkTrainingConfig:
         `markov_rank`, `sequential_head`, `confidence_head`.
     Optimisation: AdamW (`learning_rate`, `weight_decay`), `warmup_ratio` then cosine decay to 0 over `max_steps`,
         `grad_clip`, `mixed_precision` ("no" or "bf16").
+    Speed: `train_vocab_size` restricts the training-time output to a shortlist of frequent tokens.
     Loss: `alpha_ce`, `alpha_tv`, `alpha_conf`, `loss_decay` (DeepSpec: 0.1 / 0.9 / 1.0, decay 4.0).
     Run: `output_dir`, `save_every`, `log_every`, `seed`, `target` (a model path; None = the embedded default).
     """
@@ -34,6 +35,10 @@ class DSparkTrainingConfig:
     confidence_head: bool = field(default=True, metadata={"help": "train a confidence head"})
     init_from_target: bool = field(
         default=True, metadata={"help": "start draft layers from the target's last layers, fc passing the deepest tap"}
+    )
+    train_vocab_size: int = field(
+        default=0,
+        metadata={"help": "train on the N most frequent supervised tokens (0: the full vocabulary); see vocab_shortlist"},
     )
     seq_len: int = field(default=512, metadata={"help": "training sequence length (longer ones are cropped)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per step and process"})

@@ -44,6 +44,14 @@ class TokenDataset:
     def num_tokens(self) -> int:
         return int(self.offsets[-1])
 
+    def supervised_tokens(self) -> np.ndarray:
+        """The ids inside the loss mask of every sequence, concatenated (for vocabulary statistics)."""
+        starts = self.offsets[:-1] + self.loss_start
+        keep = np.zeros(len(self.tokens), dtype=bool)
+        for start, end in zip(starts, self.offsets[1:]):
+            keep[start:end] = True
+        return self.tokens[keep]
+
     def sequence(self, i: int) -> tuple[np.ndarray, int]:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]].astype(np.int64), int(self.loss_start[i])
 

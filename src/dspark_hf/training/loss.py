@@ -39,12 +39,16 @@ def dspark_loss(
     alpha_tv: float = 0.9,
     alpha_conf: float = 1.0,
 ) -> DSparkLossOutput:
-    """draft_logits, target_logits (..., γ, V); labels, valid (..., γ); confidence_logits (..., γ) or None."""
+    """draft_logits, target_logits (..., γ, V); labels, valid (..., γ); confidence_logits (..., γ) or None.
+
+    A label of -1 is outside the output vocabulary (training on a shortlist): it adds no CE and counts as a miss.
+    """
     gamma = draft_logits.shape[-2]
     weights = position_weights(gamma, decay).to(draft_logits.device) * valid.float()  # (..., γ)
     denom = weights.sum().clamp(min=1e-8)
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
-    ce = -log_pd.gather(-1, labels[..., None]).squeeze(-1)  # (..., γ)
+    in_vocab = labels >= 0
+    ce = -log_pd.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * in_vocab  # (..., γ)
     zero = draft_logits.new_zeros(())
     tv = l1 = zero
     if alpha_tv or confidence_logits is not None:
@@ -55,7 +59,7 @@ def dspark_loss(
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
         conf = (weights * bce).sum() / denom
-    ce_mean = (weights * ce).sum() / denom
+    ce_mean = (weights * ce).sum() / (weights * in_vocab).sum().clamp(min=1e-8)
     loss = alpha_ce * ce_mean + alpha_tv * tv + alpha_conf * conf
     with torch.no_grad():
         flat_valid = valid.reshape(-1, gamma).float()

@@ -42,38 +42,65 @@ def drafter_block_hidden(drafter, features, input_ids, blocks: BlockBatch, embed
     return out.last_hidden_state.view(bsz, n, gamma, -1)  # (B, N, γ, d)
 
 
+def vocab_shortlist(dataset, size: int, always: list[int] | None = None) -> torch.LongTensor | None:
+    """The `size` most frequent supervised tokens of a `TokenDataset` (plus `always`, e.g. EOS), sorted: (V',).
+
+    Training on a shortlist computes the LM head, the sequential bias and both softmaxes over V' columns instead of
+    V: p_d and p_t are both renormalised over the shortlist. On the embedded SmolLM2 (V = 49,152) the LM head and
+    loss are most of a step. The drafter keeps the full vocabulary at inference. None when `size` is 0 or covers V.
+    """
+    if size <= 0:
+        return None
+    counts = torch.bincount(torch.from_numpy(dataset.supervised_tokens().astype("int64")))
+    ranked = counts.argsort(descending=True)[: min(size, int((counts > 0).sum()))]
+    ids = torch.cat([ranked, torch.tensor(always or [], dtype=torch.long)]).unique()
+    return ids
+
+
 @dataclass
 class BlockPredictions:
-    """Teacher-forced predictions for N blocks per sequence: draft_logits and target_logits (B, N, γ, V),
-    confidence_logits (B, N, γ) or None, and the `BlockBatch` they belong to."""
+    """Teacher-forced predictions for N blocks per sequence: draft_logits and target_logits (B, N, γ, V) (V' over
+    a shortlist), confidence_logits (B, N, γ) or None, labels (B, N, γ) as indices into those logits (-1: outside
+    the shortlist), and the `BlockBatch` they belong to."""
 
     draft_logits: torch.Tensor
     target_logits: torch.Tensor
     confidence_logits: torch.Tensor | None
+    labels: torch.Tensor
     blocks: BlockBatch
 
 
-def block_predictions(drafter, target, input_ids, loss_mask, num_anchors: int, generator=None) -> BlockPredictions:
-    """Sample blocks, run the target (features, p_t) and the drafter (p_d with the bias, confidence) on them."""
+def block_predictions(
+    drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None
+) -> BlockPredictions:
+    """Sample blocks, run the target (features, p_t) and the drafter (p_d with the bias, confidence) on them.
+
+    vocab_ids (V',) sorted, or None for the full vocabulary (see `vocab_shortlist`).
+    """
     module = getattr(drafter, "module", drafter)  # unwrap DistributedDataParallel for the head methods
     config = module.config
     blocks = make_blocks(input_ids, loss_mask, config.block_size, num_anchors, generator)
     features, last_hidden = target_features(target, input_ids, config.target_layer_ids)
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
     hidden = drafter_block_hidden(drafter, features, input_ids, blocks, embed)
-    draft_logits = module.block_logits(hidden, blocks.prev_ids, lm_head)  # (B, N, γ, V)
+    draft_logits = module.block_logits(hidden, blocks.prev_ids, lm_head, vocab_ids)  # (B, N, γ, V)
     with torch.no_grad():
         pos = blocks.label_positions.flatten(1)  # (B, N·γ)
         picked = torch.gather(last_hidden, 1, pos[..., None].expand(-1, -1, last_hidden.shape[-1]))
-        target_logits = module.base_logits(picked, lm_head).view_as(draft_logits)
+        target_logits = module.base_logits(picked, lm_head, vocab_ids).view_as(draft_logits)
     conf = module.confidence_logits(hidden.flatten(1, 2), blocks.prev_ids.flatten(1))
     conf = conf.view_as(blocks.labels) if conf is not None else None
-    return BlockPredictions(draft_logits, target_logits, conf, blocks)
+    labels = blocks.labels
+    if vocab_ids is not None:
+        vocab_ids = vocab_ids.to(labels.device)
+        index = torch.searchsorted(vocab_ids, labels).clamp(max=len(vocab_ids) - 1)
+        labels = torch.where(vocab_ids[index] == labels, index, -1)
+    return BlockPredictions(draft_logits, target_logits, conf, labels, blocks)
 
 
-def training_loss(drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, **loss_kwargs):
+def training_loss(
+    drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None, **loss_kwargs
+):
     """DSpark loss of one batch. input_ids, loss_mask (B, L). Returns a `DSparkLossOutput`."""
-    p = block_predictions(drafter, target, input_ids, loss_mask, num_anchors, generator)
-    return dspark_loss(
-        p.draft_logits, p.target_logits, p.blocks.labels, p.blocks.valid, p.confidence_logits, **loss_kwargs
-    )
+    p = block_predictions(drafter, target, input_ids, loss_mask, num_anchors, generator, vocab_ids)
+    return dspark_loss(p.draft_logits, p.target_logits, p.labels, p.blocks.valid, p.confidence_logits, **loss_kwargs)

@@ -21,7 +21,7 @@ from ..configuration_dspark import DSparkConfig
 from ..modeling_dspark import DSparkDraftModel
 from .config import DSparkTrainingConfig
 from .dataset import TokenDataset
-from .step import freeze, training_loss
+from .step import freeze, training_loss, vocab_shortlist
 
 
 logger = logging.get_logger(__name__)
@@ -95,6 +95,11 @@ class DSparkTrainer:
         self.output_dir = Path(config.output_dir)
         self.heldout = TokenDataset.load(config.heldout) if config.heldout else None
         self.best_tau = 0.0
+        special = [i for i in (target.config.eos_token_id, target.config.bos_token_id) if isinstance(i, int)]
+        self.vocab_ids = vocab_shortlist(self.dataset, config.train_vocab_size, always=special)
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(self.accelerator.device)
+            logger.info(f"Training on a shortlist of {len(self.vocab_ids)} tokens.")
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -149,7 +154,7 @@ class DSparkTrainer:
         ids, mask = self.dataset.batch(indices.tolist(), self.config.seq_len, gen)
         return ids.to(self.accelerator.device), mask.to(self.accelerator.device), gen
 
-    def _loss(self, drafter, ids, mask, gen):
+    def _loss(self, drafter, ids, mask, gen, vocab_ids=None):
         cfg = self.config
         return training_loss(
             drafter,
@@ -158,6 +163,7 @@ class DSparkTrainer:
             mask,
             cfg.num_anchors,
             gen,
+            vocab_ids,
             decay=cfg.loss_decay,
             alpha_ce=cfg.alpha_ce,
             alpha_tv=cfg.alpha_tv,
@@ -201,7 +207,7 @@ class DSparkTrainer:
         cfg = self.config
         ids, mask, gen = self.batch_for(self.step)
         with self.accelerator.autocast():
-            out = self._loss(self.drafter, ids, mask, gen)
+            out = self._loss(self.drafter, ids, mask, gen, self.vocab_ids)  # held-out evaluation: full vocabulary
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(out.loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
