@@ -49,6 +49,10 @@ def cmd_demo(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import format_summary, read_prompts, run_bench, write_result
 
+    if args.serve:
+        return cmd_load_bench(args)
+    if args.prompts is None:
+        raise SystemExit("dspark-hf bench needs --prompts (a JSONL file), or --serve for the load benchmark.")
     records = read_prompts(args.prompts)[: args.limit]
     target, tokenizer, drafter = _load(args)
     if args.verify_policy:
@@ -61,6 +65,71 @@ def cmd_bench(args) -> int:
         write_result(result, args.json)
         print(f"wrote {args.json}")
     return 0 if result["all_identical"] else 1
+
+
+def _model_name(args) -> str:
+    return args.model_name or (args.target.rstrip("/").split("/")[-1] if args.target else "SmolLM2-135M-Instruct")
+
+
+def cmd_serve(args) -> int:
+    from .engine import Engine
+    from .serving import DSparkServer
+
+    target, tokenizer, drafter = _load(args)
+    engine = Engine(
+        target,
+        None if args.plain else drafter,
+        tokenizer=tokenizer,
+        max_batch_size=args.max_batch_size,
+        verify_policy=args.verify_policy,
+    )
+    server = DSparkServer(engine, tokenizer, host=args.host, port=args.port, model_name=_model_name(args))
+    mode = "plain decoding" if args.plain else f"DSpark ({args.verify_policy or drafter.config.verify_policy})"
+    untrained = " with an UNTRAINED drafter" if not args.plain and getattr(drafter, "is_untrained", False) else ""
+    print(f"serving {server.limits.model_name} ({mode}{untrained}) at {server.url}/v1  (Ctrl-C stops)", flush=True)
+    server.serve_forever()
+    return 0
+
+
+def cmd_load_bench(args) -> int:
+    from .bench import read_prompts
+    from .load_bench import format_load_summary, run_curve, run_load_benchmark, write_load_result
+
+    records = read_prompts(args.prompts)[: args.limit] if args.prompts else None
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if args.url:
+        from .load_bench import BUILTIN_PROMPTS
+
+        curve = run_curve(
+            args.url, records or BUILTIN_PROMPTS, concurrencies, args.requests_per_client, args.max_new_tokens
+        )
+        result = {"url": args.url, "concurrencies": concurrencies, "curves": {"server": curve}, "targets": {}}
+    else:
+        target, tokenizer, drafter = _load(args)
+        result = run_load_benchmark(
+            target,
+            tokenizer,
+            drafter,
+            records,
+            concurrencies,
+            configurations=[c.strip() for c in args.configs.split(",") if c.strip()],
+            requests_per_client=args.requests_per_client,
+            max_tokens=args.max_new_tokens,
+        )
+    print(format_load_summary(result))
+    write_load_result(result, args.json, args.png)
+    print(" ".join(f"wrote {p}" for p in (args.json, args.png) if p))
+    return 0
+
+
+def add_load_bench_args(bench) -> None:
+    group = bench.add_argument_group("load benchmark (--serve)")
+    group.add_argument("--serve", action="store_true", help="drive an HTTP server with concurrent clients instead")
+    group.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated numbers of concurrent clients")
+    group.add_argument("--configs", default="plain,fixed,scheduled", help="comma-separated: plain, fixed, scheduled")
+    group.add_argument("--requests-per-client", type=int, default=2, help="closed-loop requests per client")
+    group.add_argument("--png", default="load_bench.png", help="per-user vs aggregate tok/s plot ('' for none)")
+    group.add_argument("--url", default=None, help="drive an already running server (one curve) instead")
 
 
 def cmd_train(args) -> int:
@@ -234,13 +303,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="plain vs DSpark greedy on a JSONL prompt file, side by side")
-    bench.add_argument("--prompts", required=True, help='JSONL with "prompt", "messages" or "turns" per line')
+    bench.add_argument("--prompts", help='JSONL with "prompt", "messages" or "turns" per line (optional with --serve)')
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     bench.add_argument("--verify-policy", choices=["threshold", "fixed", "scheduler"], default=None)
     bench.add_argument("--json", help="write per-prompt and summary results here")
     add_models(bench)
+    add_load_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the target's)")
+    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    serve.add_argument("--verify-policy", choices=["threshold", "fixed", "scheduler"], default=None)
+    serve.add_argument("--plain", action="store_true", help="plain decoding, no drafter (a baseline)")
+    add_models(serve)
+    serve.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="train a DSpark drafter (online target features; accelerate-ready)")
     train.add_argument("--config", help="training config (JSON or YAML); see DSparkTrainingConfig")
