@@ -249,3 +249,18 @@ def test_greedy_tau_counts_leading_correct_drafts():
     draft[0, 1, torch.arange(3), torch.tensor([0, 2, 3])] = 5.0  # first wrong: 0 accepted
     out = dspark_loss(draft, draft, labels, torch.ones(1, 2, 3, dtype=torch.bool))
     assert out.greedy_tau.item() == 1 + (2 + 0) / 2
+
+
+def test_a_stage_starts_from_an_earlier_drafter(tmp_path):
+    """`init_drafter`: a curriculum's next stage continues from the previous stage's weights, with a fresh run."""
+    target = make_target()
+    first = DSparkTrainer(config(tmp_path), target, tiny_dataset()).train()
+    stage2 = config(tmp_path, output_dir=str(tmp_path / "stage2"), init_drafter=str(tmp_path / "run/checkpoint-4"),
+                    max_steps=1, train_vocab_size=20)  # fmt: skip
+    trainer = DSparkTrainer(stage2, target, tiny_dataset())
+    start = trainer.accelerator.unwrap_model(trainer.drafter)
+    for name, p in first.state_dict().items():
+        assert torch.equal(p, start.state_dict()[name]), name
+    assert trainer.step == 0 and len(trainer.vocab_ids) <= 22
+    trained = trainer.train()
+    assert any(not torch.equal(p, trained.state_dict()[n]) for n, p in first.state_dict().items())

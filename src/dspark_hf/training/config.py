@@ -12,7 +12,8 @@ class DSparkTrainingConfig:
     """Settings of one training run, grouped by concern.
 
     Data: `data` (a token dataset written by `dspark-hf data`, `.npz`), `seq_len`, `batch_size`, `num_anchors`.
-    Drafter: `drafter_config` (a hub_configs JSON, optional) or the shape fields `num_hidden_layers`, `block_size`,
+    Drafter: `init_drafter` (continue from a trained checkpoint: a curriculum's next stage, fine-tuning),
+        `drafter_config` (a hub_configs JSON, optional) or the shape fields `num_hidden_layers`, `block_size`,
         `markov_rank`, `sequential_head`, `confidence_head`.
     Optimisation: AdamW (`learning_rate`, `weight_decay`), `warmup_ratio` then cosine decay to 0 over `max_steps`,
         `grad_clip`, `mixed_precision` ("no" or "bf16").
@@ -28,6 +29,10 @@ class DSparkTrainingConfig:
     output_dir: str = field(default="runs/dspark", metadata={"help": "checkpoints and logs go here"})
     target: str | None = field(default=None, metadata={"help": "target model path (default: embedded SmolLM2)"})
     drafter_config: str | None = field(default=None, metadata={"help": "DSparkConfig JSON (e.g. hub_configs/*.json)"})
+    init_drafter: str | None = field(
+        default=None,
+        metadata={"help": "start from this drafter checkpoint (its config and weights), e.g. an earlier stage's best/"},
+    )
     num_hidden_layers: int = field(default=2, metadata={"help": "draft layers"})
     block_size: int = field(default=7, metadata={"help": "γ: draft tokens per block"})
     markov_rank: int = field(default=64, metadata={"help": "rank of the sequential head"})

@@ -37,6 +37,11 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def build_drafter(config: DSparkTrainingConfig, target, tokenizer=None) -> DSparkDraftModel:
+    if config.init_drafter:
+        drafter = DSparkDraftModel.from_pretrained(config.init_drafter)
+        drafter.config.check_target(target.config)
+        logger.info(f"Starting from the drafter in {config.init_drafter}.")
+        return drafter
     if config.drafter_config:
         drafter_config = DSparkConfig.from_json_file(config.drafter_config)
         drafter_config.check_target(target.config)
