@@ -5,6 +5,7 @@ target.generate(**inputs, assistant_model=drafter)   # routed to DSpark, lossles
 """
 
 from .configuration_dspark import DSparkConfig
+from .engine import Engine, Request
 from .generation import disable, enable, generate
 from .modeling_dspark import DSparkDraftModel, DSparkPreTrainedModel
 from .registration import register
@@ -29,6 +30,8 @@ __all__ = [
     "DSparkDraftModel",
     "DSparkGenerationStats",
     "DSparkPreTrainedModel",
+    "Engine",
+    "Request",
     "disable",
     "enable",
     "generate",

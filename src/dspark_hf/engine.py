@@ -1,0 +1,620 @@
+"""`Engine`: batched DSpark speculative decoding with continuous batching, over any HF causal LM (public API only).
+
+transformers' assisted generation is batch-1; here many requests share one drafter and one target, join and leave
+between rounds, and each verifies its own number of drafts. Each `step()` is one round for every active request:
+
+  admit     prefill queued requests one at a time (exactly plain `generate()`'s prefill, first token included) and
+            merge their KV into the batch
+  draft     one drafter pass for all rows: each row appends the target features it committed last round to its
+            context and drafts a block from its anchor (the newest token, which has no features yet)
+  schedule  per-row verify lengths ℓ_r: the whole block ("fixed"), the calibrated survival threshold ("threshold"),
+            or Algorithm 1 over all rows against the SPS profile of the batch's verify token count ("scheduler")
+  verify    one target forward on (B, W) tokens, W = max_r ℓ_r + 1: [anchor, ℓ_r drafts] per row, padded
+  accept    greedy prefix match, or exact rejection sampling against the biased draft distribution, per row
+  commit    append accepted drafts and the bonus, clipped at EOS / `max_new_tokens` as plain decoding is; stream them
+  crop      padding and rejected slots stay in the target cache as masked holes (see `RaggedCache`); trailing
+            holes are cropped, and caches are compacted when holes pile up
+  retire    finished and aborted rows leave the batch
+
+Each request's output is its own plain output whatever else is in the batch: token-identical under greedy decoding,
+identically distributed under sampling (per-request `torch.Generator`, seeded by `seed`).
+"""
+
+import inspect
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from .acceptance import accept_greedy, accept_speculative_sampling
+from .configuration_dspark import VERIFY_POLICIES
+from .generation import is_dspark_drafter
+from .ragged_cache import RaggedCache
+from .request import Request
+from .scheduler import SPS, _sps_lookup, prefix_schedule
+
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class _Row:
+    """An active request. `seq` = prompt + output; its last token is the anchor, not yet run through the target."""
+
+    request: Request
+    seq: list[int]
+    context: torch.Tensor | None  # (n, m·d) target features of committed positions not yet in the drafter cache
+
+    @property
+    def anchor_position(self) -> int:
+        return len(self.seq) - 1
+
+
+@dataclass
+class _Block:
+    """One round's drafts for all rows.
+
+    tokens (B, K): drafts (K = the most any row examined; columns past a row's length are padding); logits
+    (B, K, V): processed draft logits they were drawn from (None when no row samples); lengths: ℓ_r to verify;
+    survival: calibrated cumulative survival of the positions each row examined.
+    """
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor | None
+    lengths: list[int]
+    survival: list[list[float]]
+
+
+class Engine:
+    """Batched speculative decoding: `add_request` from any thread, then `step()` (or `start()` a loop thread).
+
+    Args:
+        target: a causal LM with a full-attention KV cache (Llama, Qwen2/3, Mistral, Gemma text models).
+        drafter: a DSpark drafter made for `target`, or None for plain batched decoding (the benchmark baseline).
+        tokenizer: checked against the drafter's recorded tokenizer; also lets `add_request` take a string.
+        max_batch_size: most requests decoded together; more wait in a queue.
+        verify_policy: "fixed" | "threshold" | "scheduler"; None takes `drafter.config.verify_policy`. Without a
+            confidence head every policy verifies the whole block.
+        sps: Algorithm 1's profile {verify_batch_tokens: steps_per_second} or a callable; None uses
+            `profiling.sps_for` (the checkpoint's sps_profile.json, else a quick profile).
+        compact_fraction: compact a cache when more than this fraction of its slots are holes.
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        *,
+        tokenizer=None,
+        max_batch_size: int = 8,
+        verify_policy: str | None = None,
+        sps: SPS | None = None,
+        compact_fraction: float = 0.5,
+    ):
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"`max_batch_size` must be a positive int, got {max_batch_size!r}.")
+        if not 0.0 < compact_fraction <= 1.0:
+            raise ValueError(f"`compact_fraction` must lie in (0, 1], got {compact_fraction}.")
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.max_batch_size, self.compact_fraction = max_batch_size, compact_fraction
+        self.device = next(target.parameters()).device
+        text_config = target.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.sliding = getattr(text_config, "sliding_window", None) is not None or "sliding_attention" in (
+            getattr(text_config, "layer_types", None) or []
+        )
+        params = inspect.signature(target.forward).parameters
+        # transformers 5.24 renamed `past_key_values` to `cache`; remote-code models may keep the old name
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # as generate() does
+        self.policy = self._setup_drafter(drafter, tokenizer, verify_policy, sps)
+        self.target_cache = RaggedCache(self.device)
+        self.drafter_cache = RaggedCache(self.device)
+        self.rows: list[_Row] = []
+        self._waiting: deque[Request] = deque()
+        self._requests: dict[str, Request] = {}  # unfinished, by id
+        self._aborted: set[str] = set()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ids = itertools.count()
+        self._counts = dict.fromkeys(
+            ("rounds", "prefills", "request_rounds", "generated_tokens", "verified_drafts", "accepted_drafts",
+             "finished_requests", "compactions"),
+            0,
+        )  # fmt: skip
+        self._position_counts = ([0] * self.block_size, [0] * self.block_size)
+
+    def _setup_drafter(self, drafter, tokenizer, verify_policy, sps) -> str:
+        """Checks the pairing and resolves the policy; returns "plain" without a drafter."""
+        self.block_size, self.taps = 0, None
+        if drafter is None:
+            if verify_policy is not None:
+                raise ValueError(f"verify_policy={verify_policy!r} needs a drafter; plain decoding verifies nothing.")
+            return "plain"
+        if not is_dspark_drafter(drafter):
+            raise TypeError(f"`drafter` must be a DSpark drafter (config.model_type 'dspark'), got {type(drafter)}.")
+        config = drafter.config
+        config.check_target(self.target.config, tokenizer)
+        policy = verify_policy if verify_policy is not None else config.verify_policy
+        if policy not in VERIFY_POLICIES:
+            raise ValueError(f"Unknown verify_policy={policy!r}; choose one of {list(VERIFY_POLICIES)}.")
+        self.lm_head = self.target.get_output_embeddings()
+        if self.lm_head is None:
+            raise ValueError(f"{type(self.target).__name__} has no output embeddings (LM head) to lend the drafter.")
+        self.embed_tokens = self.target.get_input_embeddings()
+        self.block_size = config.block_size
+        self.taps = [i + 1 for i in config.target_layer_ids]  # +1: hidden_states[0] is the embedding output
+        self.drafter_device = drafter.fc.weight.device
+        self.temperatures = drafter.sts_temperatures.tolist()
+        if not config.confidence_head:
+            return "fixed"  # no survival estimates: verify the whole block, as build_admission does
+        if policy == "scheduler":
+            from .profiling import sps_for
+
+            self.sps = _covering_sps(sps if sps is not None else sps_for(drafter, self.target),
+                                     self.max_batch_size * (self.block_size + 1))  # fmt: skip
+        return policy
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        input_ids,
+        *,
+        max_new_tokens: int = 128,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_token_id: int | list[int] | None = None,
+        seed: int | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Queue a request (thread-safe). `input_ids`: list[int] or 1-D LongTensor (a string with a tokenizer).
+
+        `eos_token_id` None takes the target's `generation_config.eos_token_id`; `seed` seeds the request's own
+        generator (None: drawn from torch's global RNG). Returns the `Request` to stream or wait on.
+        """
+        prompt = self._prompt_ids(input_ids)
+        _check_sampling(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
+        eos = self.target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if not all(isinstance(t, int) for t in eos):
+            raise TypeError(f"`eos_token_id` must be an int or a list of ints, got {eos_token_id!r}.")
+        with self._lock:
+            request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+            if request_id in self._requests:
+                raise ValueError(f"A request with id {request_id!r} is still running; ids must be unique.")
+            request = Request(
+                request_id, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                top_p=top_p, top_k=top_k, eos_token_ids=frozenset(eos), seed=seed, block_size=self.block_size,
+            )  # fmt: skip
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, ()).item())
+            request.generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._requests[request_id] = request
+            self._waiting.append(request)
+            self._wakeup.notify_all()
+        return request
+
+    def _prompt_ids(self, input_ids) -> list[int]:
+        if isinstance(input_ids, str):
+            if self.tokenizer is None:
+                raise TypeError("A string prompt needs `tokenizer=` at Engine construction; or pass token ids.")
+            input_ids = self.tokenizer.encode(input_ids)
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() != 1 or input_ids.is_floating_point():
+                raise ValueError(f"`input_ids` must be a 1-D integer tensor, got {input_ids.dtype} {input_ids.shape}.")
+            input_ids = input_ids.tolist()
+        if not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
+            raise TypeError(f"`input_ids` must be a list of ints or a 1-D LongTensor, got {type(input_ids)}.")
+        if not input_ids:
+            raise ValueError("`input_ids` is empty: a request needs at least one prompt token.")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token ids {bad[:5]} lie outside the target's vocabulary [0, {self.vocab_size}).")
+        return list(input_ids)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (thread-safe); it finishes with reason "abort". No-op if unknown or already finished."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                return
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self._release(request, "abort")
+            else:
+                self._aborted.add(request_id)
+            self._wakeup.notify_all()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._requests)
+
+    def generate(self, prompts, **request_kwargs) -> list[list[int]]:
+        """Run `prompts` (a list of prompts) to completion; returns the new tokens of each, in order."""
+        if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("`generate` takes a list of prompts; wrap a single prompt in a list.")
+        requests = [self.add_request(p, **request_kwargs) for p in prompts]
+        if not self.is_running:
+            while not all(r.finished for r in requests):
+                self.step()
+        return [r.wait() for r in requests]
+
+    # -- the round ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """One round: admit -> draft -> schedule -> verify -> accept -> commit -> crop -> retire.
+
+        Returns the requests that finished during this step.
+        """
+        with self._step_lock:
+            try:
+                finished = self._retire() + self._admit()
+                if self.rows:
+                    block = self._schedule(self._draft()) if self.drafter is not None else self._no_drafts()
+                    logits, features = self._verify(block)
+                    accepted, bonus = self._accept(block, logits)
+                    self._commit(block, accepted, bonus, features)
+                    finished += self._retire()
+                    self._crop()
+                return finished
+            except BaseException as error:
+                self._fail_all(error)
+                raise
+
+    def _admit(self) -> list[Request]:
+        """Prefill queued requests while the batch has room; returns those finished by their first token."""
+        finished = []
+        while len(self.rows) < self.max_batch_size:
+            with self._lock:
+                if not self._waiting:
+                    break
+                request = self._waiting.popleft()
+            row, cache = self._prefill(request)
+            if request.finished:
+                finished.append(self._released(request))
+                continue
+            self.target_cache.extend(cache)
+            if self.drafter is not None:
+                self.drafter_cache.extend(RaggedCache(self.device, batch_size=1))  # no context yet: all holes
+            self.rows.append(row)
+        return finished
+
+    def _prefill(self, request: Request) -> tuple[_Row, RaggedCache]:
+        """The prompt alone through the target, as plain `generate()` runs it; commits the first token."""
+        ids = torch.tensor([request.prompt_ids], device=self.device)  # (1, P)
+        cache = RaggedCache(self.device, batch_size=1)
+        out = self.target(
+            input_ids=ids, use_cache=True, output_hidden_states=self.taps, **self.prefill_kwargs,
+            **{self.cache_arg: cache.cache},
+        )  # fmt: skip
+        cache.commit(torch.ones_like(ids, dtype=torch.bool))
+        self._counts["prefills"] += 1
+        logits = self._warp(out.logits[:, -1].float(), [request])  # (1, V)
+        token = int(self._choose(logits, [request])[0])
+        context = self._features(out)[0] if self.taps else None  # (P, m·d): every prompt position
+        request._commit([token])
+        return _Row(request, request.prompt_ids + [token], context), cache
+
+    def _draft(self) -> torch.Tensor:
+        """Backbone pass for all rows; returns h (B, γ, d). The drafter cache keeps the new context, not the block.
+
+        Row r appends its n_r new context entries (positions start_r .. start_r + n_r - 1, padded to the longest
+        row and masked) and runs the block [anchor, mask, ...] at positions anchor_r .. anchor_r + γ - 1.
+        """
+        rows, gamma = self.rows, self.block_size
+        device = self.drafter_device
+        n_new = torch.tensor([row.context.shape[0] for row in rows], device=device)
+        contexts = [row.context.to(device) for row in rows]
+        context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, C, m·d), zero-padded
+        width = context.shape[1]
+        ctx_valid = torch.arange(width, device=device)[None] < n_new[:, None]  # (B, C)
+        anchor = torch.tensor([row.anchor_position for row in rows], device=device)
+        start = anchor - n_new  # context always ends right before the anchor
+        ctx_positions = start[:, None] + torch.arange(width, device=device)  # (B, C)
+        block_positions = anchor[:, None] + torch.arange(gamma, device=device)  # (B, γ)
+        position_ids = torch.cat([ctx_positions, block_positions], dim=1)  # (B, C + γ)
+        keys = torch.cat([self.drafter_cache.valid, ctx_valid, ctx_valid.new_ones(len(rows), gamma)], dim=1)
+        mask = None if bool(keys.all()) else keys[:, None, None, :].expand(-1, 1, gamma, -1)  # (B, 1, γ, K)
+        anchor_ids = torch.tensor([[row.seq[-1]] for row in rows], device=self.embed_tokens.weight.device)
+        out = self.drafter(
+            noise_embeds=self.drafter.block_input_embeds(anchor_ids, self.embed_tokens),
+            context_hidden_states=context,
+            position_ids=position_ids,
+            attention_mask=mask,
+            cache=self.drafter_cache.cache,
+        )
+        self.drafter_cache.cache.crop(-gamma)  # the block's own K/V are not context
+        self.drafter_cache.commit(ctx_valid)
+        for row in rows:
+            row.context = None
+        return out.last_hidden_state
+
+    def _schedule(self, hidden: torch.Tensor) -> _Block:
+        """Sample every row's block token by token (DSpark §3.5) and choose ℓ_r per the verify policy.
+
+        hidden (B, γ, d). A row never verifies more drafts than it may still commit (`remaining - 1`: the bonus).
+        "threshold" stops a row at its first position with survival below the threshold; "scheduler" runs
+        Algorithm 1 over all rows; both decide position k from positions <= k only, which keeps them lossless.
+        """
+        requests = [row.request for row in self.rows]
+        caps = [min(self.block_size, r.remaining - 1) for r in requests]
+        steps = max(caps)
+        prev = torch.tensor([[row.seq[-1]] for row in self.rows], device=hidden.device)  # (B, 1): the anchors
+        tokens = prev.new_zeros(len(requests), steps)
+        if steps == 0:
+            return _Block(tokens, None, caps, [[] for _ in requests])
+        base = self.drafter.base_logits(hidden[:, :steps], self.lm_head)  # (B, K, V), one LM-head matmul
+        logits_out = base.new_zeros(base.shape) if any(r.do_sample for r in requests) else None
+        cap = torch.tensor(caps, device=hidden.device)
+        live, lengths = cap > 0, torch.zeros_like(cap)
+        survival, conditional, state = base.new_ones(len(requests)), [], None
+        for k in range(steps):
+            h_k = hidden[:, k : k + 1]
+            conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1), before x_k exists
+            if conf is not None:
+                conditional.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))
+                survival = survival * conditional[-1]
+            live = live & (k < cap)
+            if self.policy == "threshold":
+                live = live & (survival >= self.drafter.config.confidence_threshold)
+            if not bool(live.any()):
+                break
+            bias, state = self.drafter.sequential_bias(prev, h_k, state)
+            logits = self._warp(base[:, k] if bias is None else base[:, k] + bias[:, 0], requests)  # (B, V)
+            tokens[:, k] = self._choose(logits, requests, live)
+            if logits_out is not None:
+                logits_out[:, k] = logits
+            prev, lengths = tokens[:, k : k + 1], lengths + live
+        conditional = torch.stack(conditional, dim=1).tolist() if conditional else [[] for _ in requests]
+        lengths = lengths.tolist()
+        if self.policy == "scheduler":
+            lengths = prefix_schedule([c[:n] for c, n in zip(conditional, caps)], self.sps)
+        examined = [min(n + 1, c) if self.policy == "threshold" else c for n, c in zip(lengths, caps)]
+        survival = [list(itertools.accumulate(c[:n], lambda a, b: a * b)) for c, n in zip(conditional, examined)]
+        return _Block(tokens, logits_out, lengths, survival)
+
+    def _no_drafts(self) -> _Block:
+        """Plain decoding: every row verifies only its anchor."""
+        n = len(self.rows)
+        return _Block(torch.zeros(n, 0, dtype=torch.long, device=self.device), None, [0] * n, [[] for _ in range(n)])
+
+    def _verify(self, block: _Block) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over [anchor, ℓ_r drafts] per row, padded to W = max ℓ_r + 1 and masked.
+
+        Returns logits (B, W, V) float32 and the tapped features (B, W, m·d) (None for plain decoding). Slot j of
+        row r sits at position anchor_r + j and predicts the token after it.
+        """
+        lengths = torch.tensor(block.lengths, device=self.device)
+        width = int(lengths.max()) + 1
+        anchors = torch.tensor([[row.seq[-1]] for row in self.rows], device=self.device)
+        ids = torch.cat([anchors, block.tokens[:, : width - 1].to(self.device)], dim=1)  # (B, W)
+        slots = torch.arange(width, device=self.device)
+        position_ids = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None] + slots
+        mask = self.target_cache.attention_mask(slots[None] <= lengths[:, None])  # (B, T + W)
+        out = self.target(
+            input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
+            output_hidden_states=self.taps, **{self.cache_arg: self.target_cache.cache},
+        )  # fmt: skip
+        self._counts["rounds"] += 1
+        return out.logits.float(), self._features(out) if self.taps else None
+
+    def _accept(self, block: _Block, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Accepted draft count and bonus token per row: greedy match, or rejection sampling for sampling rows."""
+        lengths = torch.tensor(block.lengths, device=self.device)
+        width = logits.shape[1]
+        drafts = block.tokens[:, : width - 1].to(self.device)
+        accepted, bonus = accept_greedy(drafts, logits.argmax(dim=-1), lengths)
+        accepted, bonus = accepted.tolist(), bonus.tolist()
+        requests = [row.request for row in self.rows]
+        warped = self._warp(logits, requests)
+        for i, request in enumerate(requests):
+            if request.do_sample:
+                n = block.lengths[i]
+                target_probs = torch.softmax(warped[i, : n + 1], dim=-1)  # (n + 1, V)
+                draft_probs = torch.softmax(block.logits[i, :n].to(self.device), dim=-1) if n else logits[i, :0]
+                accepted[i], bonus[i] = accept_speculative_sampling(
+                    target_probs, draft_probs, drafts[i, :n], request.generator
+                )
+        return accepted, bonus
+
+    def _commit(self, block: _Block, accepted: list[int], bonus: list[int], features: torch.Tensor | None) -> None:
+        """Append accepted drafts + bonus per row; the anchor and accepted drafts stay valid in the target cache."""
+        width = max(block.lengths) + 1
+        keep = torch.arange(width, device=self.device)[None] <= torch.tensor(accepted, device=self.device)[:, None]
+        self.target_cache.commit(keep)  # rejected and padding slots become holes
+        for i, row in enumerate(self.rows):
+            n_acc, request = accepted[i], row.request
+            new = block.tokens[i, :n_acc].tolist() + [bonus[i]]
+            stopped = request._commit(new)
+            request.stats.record_step(block.lengths[i], n_acc, stopped=stopped, survival=block.survival[i])
+            row.seq += new
+            if features is not None:
+                row.context = features[i, : n_acc + 1]  # the old anchor + accepted drafts; the bonus is the anchor
+            self._counts["request_rounds"] += 1
+            self._counts["verified_drafts"] += block.lengths[i]
+            self._counts["accepted_drafts"] += n_acc
+
+    def _crop(self) -> None:
+        """Drop trailing holes; compact a cache whose holes pile up (the target's whenever a sliding window would
+        otherwise count holes)."""
+        for cache in (self.target_cache, self.drafter_cache):
+            cache.trim()
+            sliding = cache is self.target_cache and self.sliding and not cache.is_right_aligned()
+            if cache.batch_size and (sliding or cache.hole_fraction() > self.compact_fraction):
+                cache.compact()
+                self._counts["compactions"] += 1
+
+    def _retire(self) -> list[Request]:
+        """Remove finished and aborted rows from the batch and both caches."""
+        with self._lock:
+            aborted, self._aborted = self._aborted, set()
+        for row in self.rows:
+            if row.request.request_id in aborted:
+                row.request._finish("abort")
+        keep = [i for i, row in enumerate(self.rows) if not row.request.finished]
+        done = [row.request for row in self.rows if row.request.finished]
+        if done:
+            self.target_cache.select(keep)
+            if self.drafter is not None:
+                self.drafter_cache.select(keep)
+            self.rows = [self.rows[i] for i in keep]
+        return [self._released(r) for r in done]
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+
+    def _features(self, out) -> torch.Tensor:
+        """Tapped target layers, concatenated in `target_layer_ids` order: (B, L, m·d)."""
+        return torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)
+
+    def _warp(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each sampling request's warpers on its rows of logits (B, ..., V); greedy rows pass through unchanged."""
+        groups: dict[tuple, list[int]] = {}
+        for i, request in enumerate(requests):
+            if request.sampling_key is not None and len(request.warpers()):
+                groups.setdefault(request.sampling_key, []).append(i)
+        if not groups:
+            return logits
+        logits = logits.clone()
+        for rows in groups.values():
+            index = torch.tensor(rows, device=logits.device)
+            part = logits[index]
+            flat = part.reshape(-1, part.shape[-1])  # (rows · slots, V): warpers act per row
+            logits[index] = requests[rows[0]].warpers()(None, flat).reshape(part.shape)
+        return logits
+
+    def _choose(self, logits: torch.Tensor, requests: list[Request], live: torch.Tensor | None = None):
+        """Next token per row from processed logits (B, V): argmax, or a draw from the row's own generator for
+        sampling rows (only `live` rows draw, so a request's random stream does not depend on the batch)."""
+        tokens = logits.argmax(dim=-1)
+        for i, request in enumerate(requests):
+            if request.do_sample and (live is None or bool(live[i])):
+                probs = torch.softmax(logits[i], dim=-1)
+                tokens[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
+        return tokens
+
+    def _released(self, request: Request) -> Request:
+        """Bookkeeping for a finished request."""
+        with self._lock:
+            self._requests.pop(request.request_id, None)
+        self._counts["finished_requests"] += 1
+        self._counts["generated_tokens"] += len(request.output_ids)
+        reached, accepted = request.stats.position_counts()
+        for k in range(self.block_size):
+            self._position_counts[0][k] += reached[k]
+            self._position_counts[1][k] += accepted[k]
+        return request
+
+    def _release(self, request: Request, reason: str, error: BaseException | None = None) -> None:
+        """Finish a request that is not in the batch (called with `_lock` held)."""
+        request._finish(reason, error)
+        self._requests.pop(request.request_id, None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """After an exception mid-round the batch state is unreliable: end every request with reason "error"."""
+        logger.error(f"DSpark engine step failed: {error!r}; ending all requests.")
+        with self._lock:
+            for request in list(self._requests.values()):
+                self._release(request, "error", error)
+            self._waiting.clear()
+            self._aborted.clear()
+        self.rows = []
+        self.target_cache, self.drafter_cache = RaggedCache(self.device), RaggedCache(self.device)
+
+    # -- background loop ----------------------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Run `step()` in a background thread whenever there is work (for servers). Idempotent."""
+        if self.is_running:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the loop thread after its current step; unfinished requests stay queued for a later start/step."""
+        self._stopping.set()
+        with self._lock:
+            self._wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                self._wakeup.wait_for(lambda: self._stopping.is_set() or bool(self._requests), timeout=1.0)
+            if self._stopping.is_set():
+                break
+            if self._requests:
+                try:
+                    self.step()
+                except Exception:  # already logged and every request failed by step(); keep serving
+                    pass
+
+    # -- statistics -----------------------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        """Aggregate counters. τ (`acceptance_length`) counts tokens committed per request-round, bonus included;
+        `per_position_acceptance` covers finished requests."""
+        c = dict(self._counts)
+        rounds, request_rounds = c["rounds"], c["request_rounds"]
+        reached, accepted = self._position_counts
+        c.update(
+            target_forwards=rounds + c["prefills"],
+            mean_batch_size=request_rounds / rounds if rounds else 0.0,
+            mean_verify_length=c["verified_drafts"] / request_rounds if request_rounds else 0.0,
+            acceptance_length=(c["accepted_drafts"] + request_rounds) / request_rounds if request_rounds else 0.0,
+            per_position_acceptance=[a / r if r else None for r, a in zip(reached, accepted)],
+            active=len(self.rows),
+            waiting=len(self._waiting),
+            verify_policy=self.policy,
+        )
+        return c
+
+
+def _check_sampling(max_new_tokens, do_sample, temperature, top_p, top_k, seed) -> None:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be an int >= 1, got {max_new_tokens!r}.")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature}; for greedy use do_sample=False.")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"`top_p` must lie in (0, 1], got {top_p}.")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"`top_k` must be an int >= 0 (0 disables it), got {top_k!r}.")
+    if seed is not None and not isinstance(seed, int):
+        raise TypeError(f"`seed` must be an int or None, got {type(seed).__name__}.")
+
+
+def _covering_sps(sps: SPS, max_tokens: int) -> SPS:
+    """An SPS lookup defined up to `max_tokens` (the largest possible verify batch). A table that stops short is
+    extended by assuming verify time grows linearly beyond its largest entry (conservative), with a warning."""
+    if callable(sps):
+        return sps
+    table = {int(b): float(s) for b, s in dict(sps).items()}
+    largest = max(table)
+    if largest >= max_tokens:
+        return table
+    logger.warning(
+        f"The SPS profile covers verify batches up to {largest} tokens, the engine may verify {max_tokens}: "
+        "assuming time grows linearly beyond. Profile larger batches (`dspark-hf profile`) for a precise schedule."
+    )
+    lookup = _sps_lookup(table)
+    return lambda b: lookup(b) if b <= largest else table[largest] * largest / b
+
+
+__all__ = ["Engine", "Request"]

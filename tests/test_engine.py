@@ -1,0 +1,308 @@
+"""The batched `Engine`: each request's output is its own plain output, whatever else shares the batch."""
+
+import threading
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from conftest import make_drafter, make_target
+from dspark_hf import Engine
+from dspark_hf.acceptance import accept_greedy, accept_speculative_sampling
+
+
+POLICIES = ["plain", "fixed", "threshold", "scheduler"]
+FLAT_SPS = {b: 100.0 for b in range(1, 200)}  # verification is free: Algorithm 1 admits every draft it can
+STEEP_SPS = {b: 100.0 / b for b in range(1, 200)}  # compute-bound: only confident drafts pay
+
+
+def plain_output(target, prompt, max_new_tokens, eos_token_id=None) -> list[int]:
+    """The oracle: `target.generate` on the prompt alone."""
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    return out[0, len(prompt) :].tolist()
+
+
+def make_engine(target, policy, drafter=None, sps=FLAT_SPS, **kwargs) -> Engine:
+    if policy == "plain":
+        return Engine(target, **kwargs)
+    drafter = drafter if drafter is not None else make_drafter(target)
+    return Engine(target, drafter, verify_policy=policy, sps=sps if policy == "scheduler" else None, **kwargs)
+
+
+def pin_engine_drafter(engine: Engine, references: dict[tuple, list[int]], diverge_at=None) -> Engine:
+    """Make the engine's drafter propose each request's reference continuation (`references[prompt]`: prompt +
+    plain output). One-hot ±1e4 base logits dominate the random Markov bias, so the real heads still run. With
+    `diverge_at=k` (or {prompt: k}) the draft at block slot k is wrong, so at most k drafts survive a round."""
+    drafter = engine.drafter
+    vocab = drafter.config.vocab_size
+
+    def base_logits(hidden_states, lm_head, *args):
+        bsz, k = hidden_states.shape[:2]
+        logits = torch.full((bsz, k, vocab), -1e4)
+        for i, row in enumerate(engine.rows):  # the engine's rows are the batch rows, in order
+            prompt = tuple(row.request.prompt_ids)
+            ref, start = references[prompt], len(row.seq)
+            pinned = [ref[start + j] if start + j < len(ref) else 0 for j in range(k)]
+            wrong = diverge_at.get(prompt) if isinstance(diverge_at, dict) else diverge_at
+            if wrong is not None and wrong < k:
+                pinned[wrong] = (pinned[wrong] + 1) % vocab
+            logits[i, torch.arange(k), torch.tensor(pinned)] = 1e4
+        return logits
+
+    drafter.base_logits = base_logits
+    return engine
+
+
+def references_for(target, prompts, max_new_tokens=60) -> dict[tuple, list[int]]:
+    return {tuple(p): p + plain_output(target, p, max_new_tokens) for p in prompts}
+
+
+def random_prompts(lengths, vocab=99) -> list[list[int]]:
+    return [torch.randint(0, vocab, (n,)).tolist() for n in lengths]
+
+
+# -- greedy: token-identical to plain decoding -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_queued_batch_matches_plain_greedy(target, policy):
+    """7 prompts of different lengths and budgets through a batch of 3: queueing, joining and finishing mid-flight."""
+    prompts = random_prompts([1, 5, 17, 9, 3, 12, 2])
+    budgets = [23, 9, 30, 1, 14, 5, 18]
+    engine = make_engine(target, policy, max_batch_size=3)
+    requests = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    while engine.has_unfinished():
+        engine.step()
+        assert len(engine.rows) <= 3
+    for request, prompt, n in zip(requests, prompts, budgets):
+        assert request.output_ids == plain_output(target, prompt, n)
+        assert request.finish_reason == "length"
+    assert engine.target_cache.batch_size == 0 and not engine.stats["active"]
+
+
+@pytest.mark.parametrize("policy", ["plain", "fixed", "scheduler"])
+def test_requests_added_between_steps(target, policy):
+    prompts = random_prompts([4, 11, 2, 7, 6])
+    engine = make_engine(target, policy, max_batch_size=4)
+    requests = [engine.add_request(prompts[0], max_new_tokens=20), engine.add_request(prompts[1], max_new_tokens=7)]
+    for prompt in prompts[2:]:
+        for _ in range(2):
+            engine.step()
+        requests.append(engine.add_request(prompt, max_new_tokens=15))
+    while engine.has_unfinished():
+        engine.step()
+    for request, prompt in zip(requests, prompts):
+        assert request.output_ids == plain_output(target, prompt, len(request.output_ids))
+    assert [len(r.output_ids) for r in requests] == [20, 7, 15, 15, 15]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler"])
+@pytest.mark.parametrize("diverge_at", [None, 0, 2])
+def test_oracle_and_diverging_drafters(target, policy, diverge_at):
+    prompts = random_prompts([3, 8, 5, 13])
+    engine = make_engine(target, policy, drafter=make_drafter(target, confidence_threshold=0.0))
+    pin_engine_drafter(engine, references_for(target, prompts), diverge_at)
+    outputs = engine.generate(prompts, max_new_tokens=26)
+    assert outputs == [plain_output(target, p, 26) for p in prompts]
+    stats, gamma = engine.stats, engine.block_size
+    if diverge_at is None:  # every verified draft is accepted
+        assert stats["accepted_drafts"] == stats["verified_drafts"] > 0
+        assert stats["per_position_acceptance"] == [1.0] * gamma
+    else:
+        assert stats["per_position_acceptance"][diverge_at] == 0.0
+        assert all(rate == 1.0 for rate in stats["per_position_acceptance"][:diverge_at])
+
+
+def test_eos_inside_a_block_ends_only_that_request(target):
+    prompts = random_prompts([5, 6, 4])
+    refs = references_for(target, prompts)
+    long = plain_output(target, prompts[0], 30)
+    eos = long[6]  # the 7th generated token of request 0 becomes its EOS
+    engine = pin_engine_drafter(make_engine(target, "fixed"), refs)
+    first = engine.add_request(prompts[0], max_new_tokens=30, eos_token_id=eos)
+    others = [engine.add_request(p, max_new_tokens=30) for p in prompts[1:]]
+    while engine.has_unfinished():
+        engine.step()
+    assert first.output_ids == plain_output(target, prompts[0], 30, eos_token_id=eos)
+    assert first.output_ids[-1] == eos and len(first.output_ids) == long.index(eos) + 1
+    assert first.finish_reason == "stop"
+    for request, prompt in zip(others, prompts[1:]):
+        assert request.output_ids == plain_output(target, prompt, 30) and request.finish_reason == "length"
+
+
+def test_eos_as_first_token(target):
+    prompt = random_prompts([5])[0]
+    eos = plain_output(target, prompt, 1)[0]
+    engine = make_engine(target, "fixed")
+    request = engine.add_request(prompt, max_new_tokens=10, eos_token_id=[eos, 98])
+    finished = engine.step()
+    assert finished == [request] and request.output_ids == [eos] and request.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("compact_fraction", [0.01, 1.0])
+def test_compaction_keeps_outputs(target, compact_fraction):
+    """Compacting every round or never: the same tokens (holes are invisible either way)."""
+    prompts = random_prompts([2, 9, 5])
+    engine = make_engine(target, "fixed", compact_fraction=compact_fraction)
+    outputs = engine.generate(prompts, max_new_tokens=25)
+    assert outputs == [plain_output(target, p, 25) for p in prompts]
+    assert (engine.stats["compactions"] > 0) == (compact_fraction < 1.0)
+
+
+def test_qwen3_target():
+    target = make_target(config_cls=Qwen3Config, model_cls=Qwen3ForCausalLM)
+    prompts = random_prompts([6, 2, 10])
+    for policy in ("plain", "threshold", "scheduler"):
+        drafter = make_drafter(target, mask_token_id=None)
+        outputs = make_engine(target, policy, drafter=drafter, max_batch_size=2).generate(prompts, max_new_tokens=14)
+        assert outputs == [plain_output(target, p, 14) for p in prompts], policy
+
+
+def test_sliding_window_target():
+    """Mistral with a 6-token window: the target cache is kept right-aligned, so the window counts no holes."""
+    target = make_target(config_cls=MistralConfig, model_cls=MistralForCausalLM, sliding_window=6)
+    prompts = random_prompts([9, 3, 14])
+    engine = make_engine(target, "fixed")
+    refs = references_for(target, prompts)
+    pin_engine_drafter(engine, refs, diverge_at={tuple(p): k for p, k in zip(prompts, (1, 3, None))})
+    outputs = engine.generate(prompts, max_new_tokens=20)
+    assert outputs == [plain_output(target, p, 20) for p in prompts]
+    assert engine.stats["compactions"] > 0
+
+
+# -- cost -------------------------------------------------------------------------------------------------------
+
+
+def test_oracle_drafter_saves_target_forwards(target):
+    prompts = random_prompts([3, 8, 5, 13])
+    plain = make_engine(target, "plain")
+    assert plain.generate(prompts, max_new_tokens=30) == [plain_output(target, p, 30) for p in prompts]
+    engine = pin_engine_drafter(make_engine(target, "fixed"), references_for(target, prompts))
+    assert engine.generate(prompts, max_new_tokens=30) == [plain_output(target, p, 30) for p in prompts]
+    gamma = engine.block_size
+    # plain: 4 prefills + 29 rounds; oracle: 4 prefills + ceil(29 / (γ + 1)) rounds
+    assert plain.stats["target_forwards"] == 4 + 29
+    assert engine.stats["target_forwards"] == 4 + -(-29 // (gamma + 1))
+    assert engine.stats["acceptance_length"] > gamma
+
+
+def test_steep_sps_profile_verifies_less(target):
+    """Algorithm 1 across the batch: a compute-bound profile cuts verify lengths, a flat one verifies everything."""
+    prompts = random_prompts([3, 8, 5, 13])
+    lengths = {}
+    for name, sps in (("flat", FLAT_SPS), ("steep", STEEP_SPS)):
+        engine = make_engine(target, "scheduler", drafter=make_drafter(target), sps=sps)
+        assert engine.generate(prompts, max_new_tokens=12) == [plain_output(target, p, 12) for p in prompts]
+        lengths[name] = engine.stats["mean_verify_length"]
+    assert lengths["steep"] < lengths["flat"]
+
+
+# -- streaming, background loop, abort ----------------------------------------------------------------------------
+
+
+def test_stream_chunks_concatenate_to_output(target):
+    prompts = random_prompts([4, 7, 2])
+    engine = make_engine(target, "fixed")
+    engine.start()
+    try:
+        requests = [engine.add_request(p, max_new_tokens=17) for p in prompts]
+        streamed = {}
+
+        def consume(request):
+            streamed[request.request_id] = [list(chunk) for chunk in request.stream(timeout=30)]
+
+        threads = [threading.Thread(target=consume, args=(r,)) for r in requests]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        engine.stop()
+    for request, prompt in zip(requests, prompts):
+        chunks = streamed[request.request_id]
+        assert sum(chunks, []) == request.output_ids == plain_output(target, prompt, 17)
+        assert len(chunks) == request.num_rounds + 1  # the prefill's token, then one chunk per round
+    assert not engine.is_running
+
+
+def test_abort_running_and_queued_requests(target):
+    prompts = random_prompts([4, 7, 2])
+    engine = make_engine(target, "fixed", max_batch_size=2)
+    running, other, queued = (engine.add_request(p, max_new_tokens=40) for p in prompts)
+    engine.step()
+    engine.step()
+    engine.abort(running.request_id)
+    engine.abort(queued.request_id)
+    assert queued.finished and queued.finish_reason == "abort" and queued.output_ids == []
+    engine.step()
+    assert running.finish_reason == "abort" and 0 < len(running.output_ids) < 40
+    assert running.output_ids == plain_output(target, prompts[0], len(running.output_ids))
+    engine.abort(running.request_id)  # already finished: a no-op
+    while engine.has_unfinished():
+        engine.step()
+    assert other.output_ids == plain_output(target, prompts[1], 40)
+
+
+# -- errors -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, error, match",
+    [
+        ([], {}, ValueError, "empty"),
+        ([1, 2], {"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+        ([1, 2], {"do_sample": True, "temperature": 0.0}, ValueError, "temperature"),
+        ([1, 2], {"top_p": 0.0}, ValueError, "top_p"),
+        ([1, 2], {"top_k": -1}, ValueError, "top_k"),
+        ([1, 500], {}, ValueError, "vocabulary"),
+        (torch.ones(2, 3, dtype=torch.long), {}, ValueError, "1-D"),
+        ("hello", {}, TypeError, "tokenizer"),
+    ],
+)
+def test_bad_requests_raise(target, prompt, kwargs, error, match):
+    engine = Engine(target)
+    with pytest.raises(error, match=match):
+        engine.add_request(prompt, **kwargs)
+    assert not engine.has_unfinished()
+
+
+def test_bad_engine_arguments(target, drafter):
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Engine(target, drafter, max_batch_size=0)
+    with pytest.raises(ValueError, match="verify_policy"):
+        Engine(target, drafter, verify_policy="sometimes")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target, verify_policy="fixed")
+    with pytest.raises(TypeError, match="DSpark drafter"):
+        Engine(target, make_target())
+    other_target = make_target(num_layers=3)
+    with pytest.raises(ValueError):
+        Engine(other_target, drafter)  # the drafter was made for another target (config.check_target)
+
+
+def test_duplicate_request_id(target):
+    engine = Engine(target)
+    engine.add_request([1, 2], request_id="a")
+    with pytest.raises(ValueError, match="unique"):
+        engine.add_request([3], request_id="a")
+
+
+# -- acceptance rules -------------------------------------------------------------------------------------------
+
+
+def test_accept_greedy_ragged():
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3]])
+    target = torch.tensor([[5, 6, 9, 4], [5, 0, 7, 4], [1, 2, 3, 8]])
+    accepted, bonus = accept_greedy(drafts, target, torch.tensor([3, 3, 2]))
+    assert accepted.tolist() == [2, 1, 2] and bonus.tolist() == [9, 0, 3]
+
+
+def test_accept_speculative_sampling_rules():
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    same = accept_speculative_sampling(p, p[:1], torch.tensor([1]))
+    assert same[0] == 1  # q == p: always accepted, the bonus comes from the next slot
+    q = torch.tensor([[0.0, 0.0, 1.0]])  # a token the target never produces: always rejected
+    for seed in range(20):
+        accepted, bonus = accept_speculative_sampling(p, q, torch.tensor([2]), torch.Generator().manual_seed(seed))
+        assert accepted == 0 and bonus in (0, 1)  # from norm(max(0, p - q)), never token 2
