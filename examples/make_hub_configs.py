@@ -250,10 +250,14 @@ TARGETS = {
         },
         drafter=dict(num_hidden_layers=2, markov_rank=64, target_layer_ids=default_target_layer_ids(30)),
     ),
-    # HuggingFaceTB/SmolLM2-360M-Instruct: 960/2560/32 layers/15 heads/5 kv/49152/max 8192/tied from a vendored
-    # "SmolLM2-360M-Instruct" dict and SmolVLM's text_config; rope_theta 100000 and eps 1e-5 from a vendored
-    # SmolLM2-360M table and a "smollm2-360m-instruct" fingerprint. bos 1 / eos 2 / pad 2 as in the 135M and 1.7B
-    # Instruct configs (not read from this file itself).
+    # HuggingFaceTB/SmolLM2-360M-Instruct config.json: every value below (hidden 960, intermediate 2560, 32 layers,
+    # 15 heads, 5 kv heads, head_dim 64, rope_theta 100000, rope_scaling null, max 8192, eps 1e-5, vocab 49152,
+    # tied, bos 1 / eos 2 / pad 2, initializer 0.02) equals the verbatim copy of that file in the Hub mirror
+    # huggingface.co/eduardoworrel/SmolLM2-360M-Instruct/blob/main/config.json (`_name_or_path`
+    # "HuggingFaceTB/SmolLM2-360M-Instruct", transformers 4.46.1, the `transformers.js_config` HuggingFaceTB's own
+    # repos carry), read through the documentation search. Cross-checks: the base model's config.json as mirrored
+    # in unsloth/SmolLM2-360M has the same shapes and rope_theta; and these shapes give 361,821,120 parameters
+    # (47,185,920 embedding), the count a public transformers load log prints for HuggingFaceTB/SmolLM2-360M.
     "smollm2-360m-instruct": dict(
         hub_id="HuggingFaceTB/SmolLM2-360M-Instruct",
         config_class=LlamaConfig,

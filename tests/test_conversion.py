@@ -10,7 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+)
 
 from conftest import make_drafter, make_target
 from dspark_hf import DSparkDraftModel
@@ -56,6 +65,7 @@ DSPARK_FIELDS = (
     "sts_temperatures",
     "verify_policy",
     "confidence_threshold",
+    "target_revision",
 )
 
 
@@ -331,10 +341,12 @@ def test_ours_to_deepspec_to_ours_is_bit_exact(tmp_path, head):
     extra = dict(confidence_with_markov=False) if head == "none" else {}
     drafter = make_drafter(target, sequential_head=head, mask_token_id=MASK_TOKEN, **extra)
     drafter.config.sts_temperatures = [1.0, 1.5, 2.0, 2.5]
+    drafter.config.target_revision = "0123456789abcdef0123456789abcdef01234567"
     out = export_deepspec(drafter, target, tmp_path / "deepspec")
 
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == ["Qwen3DSparkModel"] and written["model_type"] == "qwen3"
+    assert "target_model_type" not in written  # a Qwen3 target: exactly DeepSpec's own layout
     assert written["num_hidden_layers"] == 2 and written["num_target_layers"] == 4
     assert written["layer_types"] == ["full_attention"] * 2 and written["tie_word_embeddings"] is False
     assert written["markov_rank"] == (0 if head == "none" else 8)
@@ -352,15 +364,60 @@ def test_ours_to_deepspec_to_ours_is_bit_exact(tmp_path, head):
     assert not list(tmp_path.glob(".deepspec.tmp-*"))  # the temporary folder was renamed into place
 
 
+def test_llama_family_drafters_export_as_the_qwen3_layout(tmp_path):
+    """Qwen3DSparkModel's layer is ours with QK-norm: a Llama-target drafter built with QK-norm and a vocabulary mask
+    token exports to it (llama3 RoPE scaling and a tied target head included) and comes back bit-exact."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    target = make_target(
+        rope_theta=500000.0, rope_scaling=dict(scaling, original_max_position_embeddings=16), tie_word_embeddings=True
+    )
+    drafter = make_drafter(target, use_qk_norm=True, mask_token_id=MASK_TOKEN)
+    out = export_deepspec(drafter, target, tmp_path / "deepspec")
+
+    written = json.loads((out / "config.json").read_text())
+    # Qwen3 draft layers, so model_type "qwen3" (DeepSpec and vLLM build Qwen3Config); the target family is recorded
+    assert (written["architectures"], written["model_type"], written["target_model_type"]) == (
+        ["Qwen3DSparkModel"],
+        "qwen3",
+        "llama",
+    )
+    config = AutoConfig.from_pretrained(out)
+    assert isinstance(config, Qwen3Config) and config.head_dim == 8
+    assert config.rope_parameters == drafter.config.rope_parameters and config.rope_parameters["rope_type"] == "llama3"
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["lm_head.weight"], target.get_input_embeddings().weight)  # tied: copied, not shared
+
+    back = DSparkDraftModel.from_pretrained(out, target=target)
+    assert_same_weights(back.state_dict(), drafter.state_dict())
+    for field in DSPARK_FIELDS:
+        assert getattr(back.config, field) == getattr(drafter.config, field), field
+    assert back.config.target_model_type == "llama"
+
+
 def test_export_refuses_drafters_deepspec_cannot_represent(tmp_path):
-    target = make_target()  # Llama: our drafter for it has no QK-norm and a learned mask embedding
-    with pytest.raises(ValueError, match="QK-norm.*mask embedding"):
+    target = make_target()  # Llama: its default drafter has no QK-norm and a learned mask embedding
+    with pytest.raises(ValueError, match="QK-norm.*mask embedding.*use_qk_norm=True"):
         export_deepspec(make_drafter(target), target, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"mlp_bias=True"):
+        biased = make_drafter(target, use_qk_norm=True, mask_token_id=MASK_TOKEN, mlp_bias=True)
+        export_deepspec(biased, target, tmp_path / "out")
+    gemma = make_target(config_cls=Gemma3TextConfig, model_cls=Gemma3ForCausalLM)
+    with pytest.raises(ValueError, match="'gemma3_text' \\(Gemma-family\\).*Gemma4DSparkModel.*sqrt\\(d\\)"):
+        export_deepspec(make_drafter(gemma, mask_token_id=MASK_TOKEN), gemma, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     qwen3 = make_qwen3_target()
     export_deepspec(make_drafter(qwen3, mask_token_id=MASK_TOKEN), qwen3, tmp_path / "out")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         export_deepspec(make_drafter(qwen3, mask_token_id=MASK_TOKEN), qwen3, tmp_path / "out")
+
+
+def test_export_warns_that_vllm_has_only_the_vanilla_markov_head(tmp_path, caplog):
+    target = make_qwen3_target()
+    with caplog.at_level("WARNING", logger="dspark_hf.conversion"):
+        export_deepspec(make_drafter(target, mask_token_id=MASK_TOKEN), target, tmp_path / "markov")
+        assert "vLLM" not in caplog.text
+        export_deepspec(make_drafter(target, sequential_head="rnn", mask_token_id=MASK_TOKEN), target, tmp_path / "r")
+    assert "'rnn' sequential head" in caplog.text and "vanilla Markov head" in caplog.text
 
 
 def test_cli_export(tmp_path):
@@ -448,17 +505,91 @@ def test_matches_deepspec_reference_forward(tmp_path, head):
     assert torch.equal(greedy, reference[f"greedy_tokens.{head}"])
 
 
-def test_hub_repo_in_the_local_cache_loads_offline(tmp_path, monkeypatch):
+def cache_deepspec_repo(tmp_path, monkeypatch, repo_id="deepseek-ai/dspark_tiny_block4", head="rnn"):
+    """A real HF cache snapshot of a DeepSpec repo (models--org--name/{refs/main, snapshots/<sha>}); offline mode."""
     from huggingface_hub import constants
 
     commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "models--deepseek-ai--dspark_tiny_block4"
-    config = deepspec_config(qwen3_target_config(), head="rnn")
+    repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+    config = deepspec_config(qwen3_target_config(), head=head)
     state_dict = formula_state_dict(config)
     write_deepspec_checkpoint(repo / "snapshots" / commit, config, state_dict)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    drafter = DSparkDraftModel.from_pretrained("deepseek-ai/dspark_tiny_block4")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return repo_id, state_dict
+
+
+def test_hub_repo_in_the_local_cache_loads_offline(tmp_path, monkeypatch):
+    repo_id, state_dict = cache_deepspec_repo(tmp_path, monkeypatch)
+    drafter = DSparkDraftModel.from_pretrained(repo_id)
     assert drafter.config.sequential_head == "rnn"
     assert torch.equal(drafter.markov_head.joint_proj.weight, state_dict["markov_head.joint_proj.weight"])
+
+
+def test_auto_model_returns_a_drafter_for_deepspec_checkpoints(tmp_path, monkeypatch):
+    """DeepSpec's config.json says model_type "qwen3": stock AutoModel builds a plain Qwen3Model from the draft layers
+    (the silent wrong model); after `import dspark_hf` it returns the DSpark drafter, for a folder and a repo id."""
+    config = deepspec_config(qwen3_target_config(), head="gated")
+    state_dict = formula_state_dict(config)
+    folder = write_deepspec_checkpoint(tmp_path / "folder", config, state_dict)
+    stock = AutoModel.from_pretrained.__func__.__wrapped__(AutoModel, folder)
+    assert type(stock) is Qwen3Model  # what the routing prevents
+
+    for source in (folder, str(folder)):
+        drafter = AutoModel.from_pretrained(source, trust_remote_code=True)  # the habitual flag is harmless here
+        assert isinstance(drafter, DSparkDraftModel) and drafter.config.sequential_head == "gated_markov"
+        assert torch.equal(drafter.markov_head.gate_proj.weight, state_dict["markov_head.gate_proj.weight"])
+    repo_id, cached = cache_deepspec_repo(tmp_path, monkeypatch)
+    drafter = AutoModel.from_pretrained(repo_id)
+    assert isinstance(drafter, DSparkDraftModel)
+    assert torch.equal(drafter.markov_head.joint_proj.weight, cached["markov_head.joint_proj.weight"])
+
+    for source in (folder, repo_id):  # a drafter is not a language model of its own
+        with pytest.raises(ValueError, match="not a causal language model.*assistant_model=drafter"):
+            AutoModelForCausalLM.from_pretrained(source)
+
+    # everything else is untouched: a plain Qwen3 folder, and an uncached repo id offline (transformers' own error)
+    make_qwen3_target().save_pretrained(tmp_path / "qwen3")
+    assert type(AutoModel.from_pretrained(tmp_path / "qwen3")) is Qwen3Model
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3")) is Qwen3ForCausalLM
+    with pytest.raises(OSError):
+        AutoModel.from_pretrained("org/not-in-the-cache")
+
+
+def test_uncached_repo_id_is_downloaded(tmp_path, monkeypatch):
+    """Not in the cache and online: config.json is fetched, then only the *.json / *.safetensors files."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    config = deepspec_config(qwen3_target_config())
+    remote_state = formula_state_dict(config)
+    remote = write_deepspec_checkpoint(tmp_path / "remote", config, remote_state)
+    (remote / "train_config.py").write_text("not needed to load\n")
+    calls = []
+
+    def hf_hub_download(repo_id, filename, subfolder=None, local_files_only=False, **hub):
+        calls.append(("file", repo_id, filename, local_files_only))
+        if local_files_only:
+            raise LocalEntryNotFoundError("not in the cache")
+        return str(remote / filename)
+
+    def snapshot_download(repo_id, allow_patterns=None, local_files_only=False, **hub):
+        calls.append(("snapshot", repo_id, tuple(allow_patterns), local_files_only))
+        return str(remote)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    drafter = DSparkDraftModel.from_pretrained("deepseek-ai/dspark_fresh_block4")
+    assert torch.equal(drafter.fc.weight, remote_state["fc.weight"])
+    assert calls == [
+        ("file", "deepseek-ai/dspark_fresh_block4", "config.json", True),
+        ("file", "deepseek-ai/dspark_fresh_block4", "config.json", False),
+        ("snapshot", "deepseek-ai/dspark_fresh_block4", ("*.json", "*.safetensors"), False),
+    ]
+    calls.clear()
+    with pytest.raises(OSError):  # local_files_only: no download, the ordinary path reports the missing repo
+        DSparkDraftModel.from_pretrained("deepseek-ai/dspark_fresh_block4", local_files_only=True)
+    assert calls[0] == ("file", "deepseek-ai/dspark_fresh_block4", "config.json", True)
+    assert not any(c[0] == "snapshot" for c in calls)

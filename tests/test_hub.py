@@ -12,6 +12,7 @@ import torch
 
 from conftest import make_drafter, make_target
 from dspark_hf import DSparkDraftModel
+from dspark_hf.conversion import export_deepspec
 from dspark_hf.hub import model_card, push_to_hub, save_for_hub
 
 
@@ -35,14 +36,64 @@ RESULT = {
 }
 
 
+PROFILE = {"device": "cpu", "dtype": "float32", "sps": {"2": 8.25, "1": 10.5, "10": 5.0}}
+# the report `dspark-hf calibrate` writes (calibration.calibration_report), for a block of 2
+CALIBRATION = {
+    "before": {"ece": [0.1234, 0.2], "auroc": [0.7, 0.75], "brier": [0.2, 0.2]},
+    "after": {"ece": [0.0123, 0.05], "auroc": [0.7, None], "brier": [0.1, 0.1]},
+    "temperatures": [1.5, 0.8],
+    "num_blocks": 64,
+}
+
+
 def test_model_card_is_built_from_measured_results(target):
     drafter = make_drafter(target)
     drafter.config.target_name_or_path = "org/tiny-target"
-    card = model_card(drafter.config, results={"gsm8k": RESULT}, profile={"device": "cpu", "dtype": "float32"})
+    drafter.config.target_revision = "abc123"
+    training = {"data": "train.npz", "max_steps": 1000, "train_tokens": 12345}
+    card = model_card(drafter.config, {"gsm8k": RESULT}, PROFILE, training, CALIBRATION)
     assert card.startswith("---\nlibrary_name: dspark-hf") and "base_model: org/tiny-target" in card
-    assert "| gsm8k | 3 | 2.50 | 1.30x | True | 0.80 0.60 - - |" in card
-    assert "Profiled on cpu" in card
-    assert "None recorded yet" in model_card(drafter.config)
+    assert "intended target: org/tiny-target at revision abc123 (llama, hidden 32, 4 layers, vocab 99)" in card
+    assert "| gsm8k | 3 | 2.50 | 1.30x | True | 0.80 0.60 - - |" in card  # τ per dataset and per position
+    assert "Profiled on cpu (float32)" in card and "1: 10.5, 2: 8.2, 10: 5.0" in card  # sorted by verify size
+    assert "64 held-out blocks" in card
+    assert "| 1 | 1.500 | 0.1234 | 0.0123 | 0.700 |" in card and "| 2 | 0.800 | 0.2000 | 0.0500 | - |" in card
+    assert '"train_tokens": 12345' in card
+    drafter.config.target_revision = None
+    bare = model_card(drafter.config)
+    assert "None recorded yet" in bare and "at revision unknown" in bare and "## Calibration" not in bare
+
+
+def test_profile_and_calibration_beside_the_checkpoint_are_published(tmp_path, target):
+    make_drafter(target).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "sps_profile.json").write_text(json.dumps(dict(PROFILE, format="dspark-sps-v1", target={})))
+    (tmp_path / "ckpt" / "calibration.json").write_text(json.dumps(CALIBRATION))
+    folder = save_for_hub(DSparkDraftModel.from_pretrained(tmp_path / "ckpt"), tmp_path / "repo")
+    assert json.loads((folder / "calibration.json").read_text()) == CALIBRATION
+    assert json.loads((folder / "sps_profile.json").read_text())["sps"] == PROFILE["sps"]
+    card = (folder / "README.md").read_text()
+    assert "Profiled on cpu" in card and "| 1 | 1.500 | 0.1234 | 0.0123 | 0.700 |" in card
+
+
+def test_record_target_finds_the_hub_revision(tmp_path, monkeypatch, target):
+    from huggingface_hub import constants
+
+    sha = "89abcdef0123456789abcdef0123456789abcdef"
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / sha
+    target.save_pretrained(snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(sha)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    config = make_drafter(target).config
+    for name in ("org/tiny", str(snapshot)):  # a cached repo id, or its snapshot folder
+        target.config._name_or_path = name
+        config.record_target(target)
+        assert (config.target_name_or_path, config.target_revision) == (name, sha)
+    target.config._name_or_path = str(tmp_path)  # a plain folder: unknown, unless given
+    config.record_target(target)
+    assert config.target_revision is None
+    config.record_target(target, revision="v1.0")
+    assert config.target_revision == "v1.0"
 
 
 def test_save_for_hub_writes_a_complete_folder(tmp_path, target):
@@ -101,16 +152,26 @@ def _lay_out_cache(cache, repo_id, source):
 
 
 def test_load_by_repo_id_offline_from_the_cache(tmp_path, target):
+    """Our format by repo id and a DeepSpec-format repo by AutoModel, from a real cache layout, HF_HUB_OFFLINE=1."""
     drafter = make_drafter(target)
     save_for_hub(drafter, tmp_path / "repo")
     _lay_out_cache(tmp_path / "cache", "org/dspark-tiny", tmp_path / "repo")
+    exportable = make_drafter(target, use_qk_norm=True, mask_token_id=5)
+    exportable.save_pretrained(tmp_path / "ours")
+    export_deepspec(exportable, target, tmp_path / "deepspec")
+    _lay_out_cache(tmp_path / "cache", "deepseek-ai/dspark-tiny", tmp_path / "deepspec")
     code = textwrap.dedent(
         f"""
         import torch, dspark_hf
+        from transformers import AutoModel
         from dspark_hf import DSparkDraftModel
+        def same(a, b):
+            return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
         d = DSparkDraftModel.from_pretrained("org/dspark-tiny")
-        ref = DSparkDraftModel.from_pretrained({str(tmp_path / "repo")!r})
-        assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), ref.state_dict().values()))
+        assert same(d, DSparkDraftModel.from_pretrained({str(tmp_path / "repo")!r}))
+        ds = AutoModel.from_pretrained("deepseek-ai/dspark-tiny")
+        assert isinstance(ds, DSparkDraftModel), type(ds)
+        assert same(ds, DSparkDraftModel.from_pretrained({str(tmp_path / "ours")!r}))
         print("OK")
         """
     )

@@ -52,9 +52,15 @@ def test_auto_classes_with_tiny_config(target):
 
 
 def test_register_is_idempotent():
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    routed = (AutoModel.from_pretrained.__func__, AutoModelForCausalLM.from_pretrained.__func__)
     dspark_hf.register()
     dspark_hf.register()
     assert type(AutoConfig.for_model("dspark")) is DSparkConfig
+    # the DeepSpec routing wraps each Auto class once (not a wrapper of a wrapper)
+    assert (AutoModel.from_pretrained.__func__, AutoModelForCausalLM.from_pretrained.__func__) == routed
+    assert not hasattr(routed[0].__wrapped__, "_dspark_deepspec")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ tokens) so that pairing a drafter with the wrong target fails loudly instead of 
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -73,6 +74,25 @@ def tokenizer_hashes(tokenizer) -> tuple[str, str | None]:
     return hashlib.sha256(vocab).hexdigest(), hashlib.sha256(template.encode()).hexdigest() if template else None
 
 
+def snapshot_revision(name_or_path: str | None) -> str | None:
+    """The commit hash of a Hub snapshot: read from a `.../snapshots/<sha>/...` path, or, for a repo id, from the
+    local HF cache (no network). None when unknown (e.g. a plain local folder)."""
+    if not name_or_path:
+        return None
+    parts = Path(name_or_path).parts
+    if "snapshots" in parts[:-1]:
+        return parts[parts.index("snapshots") + 1]
+    if Path(name_or_path).exists():
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "config.json")
+    except ValueError:  # not a valid repo id
+        return None
+    return snapshot_revision(cached) if isinstance(cached, str) else None
+
+
 @strict
 class DSparkConfig(PreTrainedConfig):
     r"""
@@ -84,8 +104,9 @@ class DSparkConfig(PreTrainedConfig):
         num_target_layers (`int`): number of decoder layers of the target.
         vocab_size (`int`): the target's vocabulary size.
         bos_token_id / eos_token_id / pad_token_id: the target's special tokens (pipelines compare them).
-        target_name_or_path, target_tokenizer_hash, target_chat_template_hash: where the target came from and
-            SHA-256 hashes of its vocabulary and chat template (`record_target`); `None` skips that check.
+        target_name_or_path, target_revision, target_tokenizer_hash, target_chat_template_hash: where the target
+            came from (Hub id or path, and the Hub commit when known) and SHA-256 hashes of its vocabulary and chat
+            template (`record_target`); `None` skips that check.
 
     Drafter backbone (defaults follow the target's own block shapes):
         num_hidden_layers (`int`): number of draft layers.
@@ -126,6 +147,7 @@ class DSparkConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     target_name_or_path: str | None = None
+    target_revision: str | None = None
     target_tokenizer_hash: str | None = None
     target_chat_template_hash: str | None = None
 
@@ -280,9 +302,13 @@ class DSparkConfig(PreTrainedConfig):
             fields["sts_temperatures"] = None
         return cls(**fields)
 
-    def record_target(self, target, tokenizer=None) -> None:
-        """Store where the target came from and hashes of its tokenizer (checked at load and generate time)."""
+    def record_target(self, target, tokenizer=None, revision: str | None = None) -> None:
+        """Store where the target came from and hashes of its tokenizer (checked at load and generate time).
+
+        `revision` defaults to the Hub commit of the target's snapshot when it was loaded from the HF cache.
+        """
         self.target_name_or_path = getattr(target.config, "_name_or_path", None) or None
+        self.target_revision = revision or snapshot_revision(self.target_name_or_path)
         if tokenizer is not None:
             self.target_tokenizer_hash, self.target_chat_template_hash = tokenizer_hashes(tokenizer)
 

@@ -26,9 +26,23 @@ Conventions shared by both codebases (DSpark paper §3.1; DeepSpec `create_posit
 * The sequential head's previous token for slot 0 is the anchor; the confidence head reads `[h_k ; W1[x_{k-1}]]`
   on the post-norm backbone output.
 
-Only the Qwen3 layout (`Qwen3DSparkModel`) maps onto dspark-hf's drafter. DeepSpec's Gemma4 draft layer has
-sandwich norms, an unscaled value norm, a `layer_scalar`, attention scale 1.0 and √d-scaled embeddings, none of
-which dspark-hf's Llama-style layer has: loading one raises, and drafters made for Gemma targets are not exported.
+Which drafters map onto which layout (DeepSpec at afdfa7c; vLLM `qwen3_dspark.py` / `gemma4_dspark.py`, the two
+DSpark draft architectures vLLM registers for this format):
+
+* `Qwen3DSparkModel` checkpoints load into dspark-hf exactly. Its draft layer is a Llama block with per-head
+  QK-norm, so dspark-hf drafters for Qwen3 *and* Llama-family targets (Llama, Mistral, Qwen2, SmolLM2, ...) export
+  to it when they were built with `use_qk_norm=True` and a vocabulary `mask_token_id`. For a non-Qwen3 target the
+  exported `config.json` has `model_type="qwen3"` (the draft layers are Qwen3 layers, as in other Qwen3DSparkModel
+  drafters for non-Qwen targets) and records the target family in `target_model_type`. vLLM's Qwen3DSparkModel
+  builds only the vanilla Markov head, so `gated_markov` / `rnn` exports load in DeepSpec but not in vLLM.
+* `Gemma4DSparkModel` (DeepSeek's `dspark_gemma4_12b_block7`) has a Gemma-4 draft layer: sandwich norms, a
+  scale-free value norm, shared K=V projections, a `layer_scalar`, attention scale 1.0 and sqrt(d)-scaled
+  embeddings. dspark-hf's layer has none of these, so such checkpoints are refused at load time, and dspark-hf
+  drafters for Gemma targets are not exported (Qwen3DSparkModel would also drop their sqrt(d) embedding scale and
+  logit soft-capping).
+
+`import dspark_hf` makes `AutoModel.from_pretrained` return a `DSparkDraftModel` for DeepSpec folders and repos
+(see `registration.py`); without that import transformers reads `model_type` and builds a plain target-family model.
 """
 
 import json
@@ -78,11 +92,13 @@ _EXTRA_FIELDS = (
     "verify_policy",
     "confidence_threshold",
     "target_name_or_path",
+    "target_revision",
     "target_tokenizer_hash",
     "target_chat_template_hash",
 )
 _PREFIXES = ("_orig_mod.", "model.")
-# `revision` / `local_files_only` only matter while resolving a Hub id (`resolve_deepspec_folder`).
+# `revision`, `local_files_only`, `cache_dir` and `token` only matter while resolving a Hub id
+# (`resolve_deepspec_folder`).
 _LOAD_KWARGS = (
     "dtype",
     "attn_implementation",
@@ -91,8 +107,12 @@ _LOAD_KWARGS = (
     "subfolder",
     "revision",
     "local_files_only",
+    "cache_dir",
+    "token",
     "use_safetensors",
 )
+# What a DeepSpec repo needs downloaded (DeepSpec also uploads `train_config.py`, which loading never reads).
+_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors"]
 
 
 def is_deepspec_config(config: dict) -> bool:
@@ -173,6 +193,9 @@ def dspark_config_from_deepspec(config: dict) -> DSparkConfig:
         tie_word_embeddings=False,
     )
     fields.update({k: v for k, v in (config.get(EXTRAS_KEY) or {}).items() if k in _EXTRA_FIELDS})
+    family = config.get("target_text_model_type") or config.get("target_model_type")
+    if family:  # exported for a non-Qwen3 target: config.json says "qwen3" (its draft layers), the target is this
+        fields["target_model_type"] = str(family)
     return DSparkConfig.for_target(_target_config(config), **fields)
 
 
@@ -287,10 +310,12 @@ def load_deepspec_checkpoint(path: str | os.PathLike, **kwargs: Any) -> DSparkDr
 
 
 def resolve_deepspec_folder(path: str | os.PathLike, kwargs: dict) -> Path | None:
-    """The local folder of a DeepSpec checkpoint at `path` (a folder, or a Hub repo already in the local cache).
+    """The local folder of a DeepSpec checkpoint at `path`: a folder, or a Hub repo id (from the local cache, else
+    downloaded unless `local_files_only` / `HF_HUB_OFFLINE`; only `*.json` and `*.safetensors` files).
 
-    Returns None when `path` is not a DeepSpec checkpoint (or a Hub repo not downloaded yet), so that the caller
-    falls back to the ordinary dspark-hf loading path.
+    Reads `subfolder`, `revision`, `cache_dir`, `token` and `local_files_only` from `kwargs`. Returns None when `path`
+    is not a DeepSpec checkpoint or cannot be resolved, so that the caller falls back to its ordinary loading path
+    (which then reports a missing repo or a network error itself).
     """
     sub = kwargs.get("subfolder") or ""
     local = Path(path)
@@ -300,15 +325,21 @@ def resolve_deepspec_folder(path: str | os.PathLike, kwargs: dict) -> Path | Non
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    revision = kwargs.get("revision")
+    repo, hub = str(path), {k: kwargs.get(k) for k in ("revision", "cache_dir", "token")}
     try:
-        config_file = hf_hub_download(
-            str(path), "config.json", subfolder=sub or None, revision=revision, local_files_only=True
-        )
+        try:
+            config_file = hf_hub_download(repo, "config.json", subfolder=sub or None, local_files_only=True, **hub)
+            cached = True
+        except LocalEntryNotFoundError:
+            if kwargs.get("local_files_only"):
+                return None
+            # the file transformers would fetch first anyway; raises (caught below) when offline
+            config_file = hf_hub_download(repo, "config.json", subfolder=sub or None, **hub)
+            cached = False
         if not is_deepspec_config(json.loads(Path(config_file).read_text(encoding="utf-8"))):
             return None
-        return Path(snapshot_download(str(path), revision=revision, local_files_only=True))
-    except (HFValidationError, LocalEntryNotFoundError):
+        return Path(snapshot_download(repo, allow_patterns=_DOWNLOAD_PATTERNS, local_files_only=cached, **hub))
+    except (HFValidationError, OSError):  # not a repo id, no such repo, no network: not ours to report
         return None
 
 
@@ -316,9 +347,17 @@ def _check_exportable(drafter: DSparkDraftModel, target) -> None:
     """Raise `ValueError` for drafters that DeepSpec's Qwen3DSparkModel cannot represent exactly."""
     config = drafter.config
     config.check_target(target.config)
-    reasons = []
     if config.target_model_type.startswith("gemma") or config.final_logit_softcapping is not None:
-        reasons.append(f"it was made for a {config.target_model_type!r} target (Gemma: see the module docstring)")
+        raise ValueError(
+            f"This drafter was made for a {config.target_model_type!r} (Gemma-family) target and has no DeepSpec "
+            "equivalent. The one Gemma layout of DeepSpec and vLLM, Gemma4DSparkModel (Gemma-4 targets), has a draft "
+            "layer dspark-hf's Llama-style layer cannot represent (sandwich norms, scale-free value norm, shared K=V "
+            "projections, layer_scalar, attention scale 1.0), and Qwen3DSparkModel applies neither Gemma's sqrt(d) "
+            "embedding scale nor logit soft-capping, so an engine would draft from another distribution. Serve this "
+            "drafter with dspark-hf (`target.generate(..., assistant_model=drafter)`), or train a Gemma4DSparkModel "
+            "drafter with DeepSpec's Gemma4 trainer for those engines."
+        )
+    reasons = []
     if not config.use_qk_norm:
         reasons.append("it has no QK-norm (`use_qk_norm=False`), which Qwen3DSparkModel always applies")
     if config.mask_token_id is None:
@@ -327,8 +366,9 @@ def _check_exportable(drafter: DSparkDraftModel, target) -> None:
         reasons.append("its MLP has biases (`mlp_bias=True`); Qwen3's has none")
     if reasons:
         raise ValueError(
-            "This drafter has no DeepSpec equivalent: " + "; ".join(reasons) + ". Train one with "
-            "DSparkConfig.for_target(target.config, use_qk_norm=True, ...) and a `mask_token_id` to export it."
+            "This drafter has no DeepSpec (Qwen3DSparkModel) equivalent: " + "; ".join(reasons) + ". Weights cannot "
+            "be converted afterwards: build the drafter with DSparkConfig.for_target(target.config, use_qk_norm=True, "
+            "mask_token_id=<an unused vocabulary token id>, ...) and train it, then export it."
         )
 
 
@@ -336,6 +376,8 @@ def deepspec_config_dict(drafter: DSparkDraftModel, target, num_anchors: int = D
     """DeepSpec's `config.json` for `drafter`: the target's config dict + the drafter's shapes + DSpark fields."""
     config = drafter.config
     out = target.config.get_text_config(decoder=True).to_dict()
+    if out.get("model_type") != "qwen3":  # a Llama-family target: the draft layers are Qwen3's, see the docstring
+        out.update(model_type="qwen3", target_model_type=config.target_model_type)
     rank = config.markov_rank if config.sequential_head != "none" else 0
     out.update(
         architectures=[QWEN3_ARCHITECTURE],  # our draft layer is Qwen3's (Llama blocks + QK-norm), see docstring
@@ -380,11 +422,17 @@ def export_deepspec(
     """Write `drafter` as a DeepSpec `Qwen3DSparkModel` checkpoint (`config.json` + `model.safetensors`).
 
     The state dict is ours plus `embed_tokens.weight` / `lm_head.weight` copied from `target` (in the drafter's
-    dtype), as DeepSpec stores them. Qwen3DSparkModel is used for every exportable target (Qwen, Llama, Mistral, …):
-    its decoder layer is exactly ours with QK-norm; Gemma-family drafters are refused (no Gemma4DSparkModel
-    equivalent). The folder is written under a temporary name next to `out_dir` and renamed into place.
+    dtype), as DeepSpec stores them. Qwen3DSparkModel is used for every exportable target (Qwen3, Llama, Mistral,
+    Qwen2, ...): its decoder layer is exactly ours with QK-norm, so the drafter needs `use_qk_norm=True` and a
+    vocabulary `mask_token_id`; Gemma-family drafters are refused (see the module docstring). `ValueError` says which
+    condition fails. The folder is written under a temporary name next to `out_dir` and renamed into place.
     """
     _check_exportable(drafter, target)
+    if drafter.config.sequential_head in ("gated_markov", "rnn"):
+        logger.warning(
+            f"Exporting a {drafter.config.sequential_head!r} sequential head: DeepSpec loads it, but vLLM's "
+            "Qwen3DSparkModel implements only the vanilla Markov head (`sequential_head='markov'`)."
+        )
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it.")

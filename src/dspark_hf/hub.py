@@ -19,6 +19,8 @@ from .utils import atomic_write_json
 
 logger = logging.get_logger(__name__)
 
+CALIBRATION_FILE = "calibration.json"  # written by `dspark-hf calibrate` beside the checkpoint
+
 # Modules copied into custom_generate/: they import only each other (relatively), torch and transformers.
 CUSTOM_GENERATE_MODULES = (
     "generation.py",
@@ -60,8 +62,17 @@ def write_custom_generate(out_dir: str | os.PathLike) -> Path:
     return folder
 
 
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def _fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _by_int(item) -> int:
+    return int(item[0])
+
+
+def _at(values, k):
+    """values[k], or None when the list is missing or shorter."""
+    return values[k] if values and k < len(values) else None
 
 
 def model_card(
@@ -73,8 +84,9 @@ def model_card(
 ) -> str:
     """Markdown model card with YAML front matter, built from measured results.
 
-    results: {dataset name: bench JSON (see `dspark_hf.bench.run_bench`)}; profile: an SPS profile; training: the
-    training config and data summary; calibration: {"ece_before": [...], "ece_after": [...]} per position.
+    results: {dataset name: bench JSON (see `dspark_hf.bench.run_bench`)}; profile: an SPS profile
+    (`dspark-hf profile`); training: the training config and data summary; calibration: the report of
+    `dspark-hf calibrate` (`calibration.json`, see `dspark_hf.calibration.calibration_report`).
     """
     target = config.target_name_or_path or f"a {config.target_model_type} target"
     front = ["---", "library_name: dspark-hf", "tags:", "- speculative-decoding", "- dspark", "- drafter"]
@@ -97,8 +109,9 @@ def model_card(
         "",
         "## Architecture",
         "",
-        f"- intended target: {target} ({config.target_model_type}, hidden {config.hidden_size}, "
-        f"{config.num_target_layers} layers, vocab {config.vocab_size})",
+        f"- intended target: {target} at revision {config.target_revision or 'unknown'} "
+        f"({config.target_model_type}, hidden {config.hidden_size}, {config.num_target_layers} layers, "
+        f"vocab {config.vocab_size})",
         f"- draft layers: {config.num_hidden_layers}; block size γ = {config.block_size}; target layers "
         f"{config.target_layer_ids}",
         f"- sequential head: {config.sequential_head} (rank {config.markov_rank}); confidence head: "
@@ -124,18 +137,25 @@ def model_card(
         lines += [
             "## Hardware",
             "",
-            f"Profiled on {profile.get('device')} ({profile.get('dtype')}); "
-            "`sps_profile.json` holds target steps/s per verify size.",
+            f"Profiled on {profile.get('device')} ({profile.get('dtype')}); target verify steps/s by verify size "
+            "(`sps_profile.json`): "
+            + ", ".join(f"{b}: {float(v):.1f}" for b, v in sorted((profile.get("sps") or {}).items(), key=_by_int)),
             "",
         ]
     if calibration:
+        before, after = calibration.get("before") or {}, calibration.get("after") or {}
         lines += [
             "## Calibration (STS)",
             "",
-            f"ECE per position before: {calibration.get('ece_before')}",
-            f"after: {calibration.get('ece_after')}",
+            f"{calibration.get('num_blocks')} held-out blocks; ECE of the cumulative survival per position.",
             "",
+            "| position | temperature | ECE before | ECE after | AUROC |",
+            "|---|---|---|---|---|",
         ]
+        for k, temp in enumerate(calibration.get("temperatures") or []):
+            ece_b, ece_a = _fmt(_at(before.get("ece"), k), 4), _fmt(_at(after.get("ece"), k), 4)
+            lines.append(f"| {k + 1} | {temp:.3f} | {ece_b} | {ece_a} | {_fmt(_at(after.get('auroc'), k), 3)} |")
+        lines.append("")
     if training:
         lines += ["## Training", "", "```json", json.dumps(training, indent=2, default=str), "```", ""]
     if not results:
@@ -143,14 +163,33 @@ def model_card(
     return "\n".join(lines)
 
 
+def _beside_checkpoint(drafter, name: str) -> Path | None:
+    """`name` in the drafter's local checkpoint folder (e.g. `sps_profile.json`), if it exists."""
+    folder = getattr(drafter, "name_or_path", None)
+    path = Path(folder) / name if folder and os.path.isdir(folder) else None
+    return path if path is not None and path.is_file() else None
+
+
 def save_for_hub(drafter, out_dir, results=None, profile=None, training=None, calibration=None) -> Path:
-    """Write a complete Hub folder atomically: weights, code (auto_map), README.md, profile, custom_generate/."""
+    """Write a complete Hub folder atomically: weights, code (auto_map), README.md, profile, custom_generate/.
+
+    `profile` / `calibration` default to the `sps_profile.json` / `calibration.json` stored beside the drafter's
+    local checkpoint by `dspark-hf profile` / `dspark-hf calibrate`.
+    """
+    from .profiling import PROFILE_FILE, load_profile
+
+    if profile is None and (path := _beside_checkpoint(drafter, PROFILE_FILE)) is not None:
+        profile = load_profile(path)
+    if calibration is None and (path := _beside_checkpoint(drafter, CALIBRATION_FILE)) is not None:
+        calibration = json.loads(path.read_text(encoding="utf-8"))
     out_dir = Path(out_dir)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent if out_dir.parent.exists() else None, prefix=".hub-"))
     try:
         drafter.save_pretrained(tmp)
         if profile is not None:
-            atomic_write_json(profile, tmp / "sps_profile.json")
+            atomic_write_json(profile, tmp / PROFILE_FILE)
+        if calibration is not None:
+            atomic_write_json(calibration, tmp / CALIBRATION_FILE)
         write_custom_generate(tmp)
         (tmp / "README.md").write_text(model_card(drafter.config, results, profile, training, calibration))
         if out_dir.exists():

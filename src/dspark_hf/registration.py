@@ -1,18 +1,78 @@
-"""Registers DSpark with transformers' Auto classes, once, on `import dspark_hf`."""
+"""Registers DSpark with transformers' Auto classes, once, on `import dspark_hf`.
 
-from transformers import AutoConfig, AutoModel
+DeepSpec checkpoints (DeepSeek's released `deepseek-ai/dspark_*_block7`) carry the *target's* `model_type` (e.g.
+`"qwen3"`) and no `auto_map`, so no config registration can claim them: stock `AutoModel.from_pretrained` would build
+a plain `Qwen3Model` from the draft layers and drop the DSpark weights with a warning. `register()` therefore wraps
+two public entry points, changing nothing for any other checkpoint:
+
+* `AutoModel.from_pretrained(deepspec_folder_or_repo)` returns a `DSparkDraftModel` (converted on the fly, as
+  `DSparkDraftModel.from_pretrained` does); this is the Auto class our own DSpark checkpoints load with too.
+* `AutoModelForCausalLM.from_pretrained(...)` (and so `pipeline("text-generation", model=...)`) raises `ValueError`:
+  a drafter has no LM head of its own and cannot generate alone.
+
+Other Auto classes (sequence classification, ...) are not wrapped. Without `import dspark_hf` the stock behaviour
+applies; load DeepSpec checkpoints with this package imported.
+"""
+
+import functools
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_dspark import DSparkConfig
 from .generation import install_candidate_generator
 from .modeling_dspark import DSparkDraftModel
 
 
+def _load_deepspec_as_drafter(path, folder, model_args, kwargs):
+    from .conversion import load_deepspec_checkpoint
+
+    if model_args:
+        raise TypeError(f"A DeepSpec checkpoint takes no positional model arguments, got {model_args}.")
+    kwargs.pop("trust_remote_code", None)  # a DeepSpec folder holds no code: nothing to trust
+    kwargs.pop("config", None)  # None here (an explicit config skips the DeepSpec routing)
+    return load_deepspec_checkpoint(folder, **kwargs)
+
+
+def _refuse_deepspec_as_causal_lm(path, folder, model_args, kwargs):
+    raise ValueError(
+        f"{path} is a DeepSpec DSpark drafter (architectures Qwen3DSparkModel/Gemma4DSparkModel), not a causal "
+        "language model: it has no LM head of its own and drafts only from a target's hidden states. Load it with "
+        "`AutoModel.from_pretrained(...)` or `dspark_hf.DSparkDraftModel.from_pretrained(...)` and pass it as "
+        "`target.generate(..., assistant_model=drafter)`, with the target loaded by AutoModelForCausalLM."
+    )
+
+
+def _route_deepspec(auto_class, handler) -> None:
+    """Wrap `auto_class.from_pretrained` so that DeepSpec checkpoints go to `handler`. Idempotent."""
+    original = auto_class.from_pretrained.__func__
+    if getattr(original, "_dspark_deepspec", False):
+        return
+
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        if kwargs.get("config") is None:  # an explicit config means the caller chose the model class
+            from .conversion import resolve_deepspec_folder
+
+            folder = resolve_deepspec_folder(pretrained_model_name_or_path, kwargs)
+            if folder is not None:
+                return handler(pretrained_model_name_or_path, folder, model_args, kwargs)
+        return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
+    from_pretrained._dspark_deepspec = True
+    auto_class.from_pretrained = classmethod(from_pretrained)
+
+
 def register() -> None:
-    """AutoConfig/AutoModel entries, `auto_map` in saved checkpoints, and the generate() routing. Idempotent."""
+    """AutoConfig/AutoModel entries, `auto_map` in saved checkpoints, DeepSpec routing and the generate() routing.
+
+    Idempotent.
+    """
     AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
     AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
     # save_pretrained then copies configuration_dspark.py / modeling_dspark.py (and what they import) next to the
     # weights, so `AutoModel.from_pretrained(path, trust_remote_code=True)` works without this package.
     DSparkConfig.register_for_auto_class()
     DSparkDraftModel.register_for_auto_class("AutoModel")
+    _route_deepspec(AutoModel, _load_deepspec_as_drafter)
+    _route_deepspec(AutoModelForCausalLM, _refuse_deepspec_as_causal_lm)
     install_candidate_generator()
