@@ -181,9 +181,9 @@ def test_oracle_drafter_saves_target_forwards(target):
     engine = pin_engine_drafter(make_engine(target, "fixed"), references_for(target, prompts))
     assert engine.generate(prompts, max_new_tokens=30) == [plain_output(target, p, 30) for p in prompts]
     gamma = engine.block_size
-    # plain: 4 prefills + 29 rounds; oracle: 4 prefills + ceil(29 / (γ + 1)) rounds
-    assert plain.stats["target_forwards"] == 4 + 29
-    assert engine.stats["target_forwards"] == 4 + -(-29 // (gamma + 1))
+    # one batched prefill gives every first token; then plain: 29 rounds, oracle: ceil(29 / (γ + 1)) rounds
+    assert plain.stats["target_forwards"] == 1 + 29
+    assert engine.stats["target_forwards"] == 1 + -(-29 // (gamma + 1))
     assert engine.stats["acceptance_length"] > gamma
 
 
@@ -306,3 +306,61 @@ def test_accept_speculative_sampling_rules():
     for seed in range(20):
         accepted, bonus = accept_speculative_sampling(p, q, torch.tensor([2]), torch.Generator().manual_seed(seed))
         assert accepted == 0 and bonus in (0, 1)  # from norm(max(0, p - q)), never token 2
+
+
+# -- sampling: exactly the target's distribution per request -----------------------------------------------------
+
+
+def sample_groups(policy, n_per_group, sps=FLAT_SPS, max_batch_size=16):
+    """Requests with two sampling settings interleaved in one engine; returns the first 3 tokens of each, per
+    setting, and the exact target distributions under those settings."""
+    from test_sampling import PROMPT, exact_joint, setup_models, warpers
+
+    target, drafter = setup_models()
+    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)]
+    probs = [exact_joint(target, warpers(**s)) for s in settings]
+    engine = make_engine(target, policy, drafter=drafter, sps=sps, max_batch_size=max_batch_size)
+    requests = [[], []]
+    for seed in range(n_per_group):
+        for group, setting in enumerate(settings):
+            kwargs = {"top_k": 0, "top_p": 1.0, **setting}
+            request = engine.add_request(PROMPT[0], max_new_tokens=5, do_sample=True, seed=2 * seed + group, **kwargs)
+            requests[group].append(request)
+    while engine.has_unfinished():
+        engine.step()
+    samples = [[tuple(r.output_ids[:3]) for r in group] for group in requests]
+    return samples, probs, engine
+
+
+@pytest.mark.parametrize("policy", ["threshold"])
+def test_sampling_matches_target_distribution(policy):
+    from test_sampling import chi_square_rejects
+
+    samples, probs, engine = sample_groups(policy, 1500)
+    for group_samples, group_probs in zip(samples, probs):
+        rejects, stat, critical = chi_square_rejects(group_samples, group_probs)
+        assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: engine sampling differs from the target's"
+    assert engine.stats["verified_drafts"] > 0 and engine.stats["accepted_drafts"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, sps", [("plain", None), ("fixed", None), ("scheduler", STEEP_SPS), ("threshold", None)])
+def test_sampling_matches_target_distribution_many_samples(policy, sps):
+    from test_sampling import chi_square_rejects
+
+    samples, probs, _ = sample_groups(policy, 6000, sps=sps)
+    for group_samples, group_probs in zip(samples, probs):
+        rejects, stat, critical = chi_square_rejects(group_samples, group_probs)
+        assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}"
+
+
+def test_seeded_sampling_is_reproducible(target):
+    prompts = random_prompts([4, 6])
+    runs = []
+    for _ in range(2):
+        engine = make_engine(target, "fixed")
+        requests = [engine.add_request(p, max_new_tokens=12, do_sample=True, seed=7) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        runs.append([r.output_ids for r in requests])
+    assert runs[0] == runs[1]

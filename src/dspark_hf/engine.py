@@ -109,7 +109,7 @@ class Engine:
         params = inspect.signature(target.forward).parameters
         # transformers 5.24 renamed `past_key_values` to `cache`; remote-code models may keep the old name
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
-        self.prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # as generate() does
+        self.keeps_logits = "logits_to_keep" in params
         self.policy = self._setup_drafter(drafter, tokenizer, verify_policy, sps)
         self.target_cache = RaggedCache(self.device)
         self.drafter_cache = RaggedCache(self.device)
@@ -259,6 +259,7 @@ class Engine:
         with self._step_lock:
             try:
                 finished = self._retire() + self._admit()
+                self._crop()  # a sliding-window target must see right-aligned rows from the first verify on
                 if self.rows:
                     block = self._schedule(self._draft()) if self.drafter is not None else self._no_drafts()
                     logits, features = self._verify(block)
@@ -273,37 +274,54 @@ class Engine:
 
     def _admit(self) -> list[Request]:
         """Prefill queued requests while the batch has room; returns those finished by their first token."""
-        finished = []
-        while len(self.rows) < self.max_batch_size:
-            with self._lock:
-                if not self._waiting:
-                    break
-                request = self._waiting.popleft()
-            row, cache = self._prefill(request)
-            if request.finished:
-                finished.append(self._released(request))
-                continue
+        with self._lock:
+            room = min(self.max_batch_size - len(self.rows), len(self._waiting))
+            requests = [self._waiting.popleft() for _ in range(room)]
+        if not requests:
+            return []
+        rows, cache = self._prefill(requests)
+        keep = [i for i, r in enumerate(requests) if not r.finished]  # EOS or max_new_tokens=1: done already
+        if len(keep) < len(requests):
+            cache.select(keep)
+        if keep:
             self.target_cache.extend(cache)
             if self.drafter is not None:
-                self.drafter_cache.extend(RaggedCache(self.device, batch_size=1))  # no context yet: all holes
-            self.rows.append(row)
-        return finished
+                self.drafter_cache.extend(RaggedCache(self.device, batch_size=len(keep)))  # no context yet: holes
+            self.rows += [rows[i] for i in keep]
+        return [self._released(r) for r in requests if r.finished]
 
-    def _prefill(self, request: Request) -> tuple[_Row, RaggedCache]:
-        """The prompt alone through the target, as plain `generate()` runs it; commits the first token."""
-        ids = torch.tensor([request.prompt_ids], device=self.device)  # (1, P)
-        cache = RaggedCache(self.device, batch_size=1)
+    def _prefill(self, requests: list[Request]) -> tuple[list[_Row], RaggedCache]:
+        """The new prompts through the target in one forward, right-padded (pads are holes); commits each first
+        token. A single prompt runs exactly as plain `generate()` runs it (no mask, logits of the last position)."""
+        lengths = [len(r.prompt_ids) for r in requests]
+        width = max(lengths)
+        ids = torch.tensor([r.prompt_ids + [0] * (width - len(r.prompt_ids)) for r in requests], device=self.device)
+        last = torch.tensor(lengths, device=self.device) - 1  # (n,) position of each prompt's last token
+        valid = torch.arange(width, device=self.device)[None] <= last[:, None]  # (n, P)
+        kwargs = {}
+        if not bool(valid.all()):
+            kwargs["attention_mask"] = valid.long()
+        if self.keeps_logits:  # only the logits needed, as generate() does: the last position (of each prompt)
+            kwargs["logits_to_keep"] = 1 if bool(valid.all()) else torch.unique(last)
+        cache = RaggedCache(self.device, batch_size=len(requests))
         out = self.target(
-            input_ids=ids, use_cache=True, output_hidden_states=self.taps, **self.prefill_kwargs,
-            **{self.cache_arg: cache.cache},
-        )  # fmt: skip
-        cache.commit(torch.ones_like(ids, dtype=torch.bool))
+            input_ids=ids, use_cache=True, output_hidden_states=self.taps, **kwargs, **{self.cache_arg: cache.cache}
+        )
+        cache.commit(valid)
         self._counts["prefills"] += 1
-        logits = self._warp(out.logits[:, -1].float(), [request])  # (1, V)
-        token = int(self._choose(logits, [request])[0])
-        context = self._features(out)[0] if self.taps else None  # (P, m·d): every prompt position
-        request._commit([token])
-        return _Row(request, request.prompt_ids + [token], context), cache
+        if "logits_to_keep" in kwargs and not bool(valid.all()):
+            last = torch.searchsorted(kwargs["logits_to_keep"], last)  # index among the kept positions
+        elif "logits_to_keep" in kwargs:
+            last = torch.zeros_like(last)
+        logits = out.logits[torch.arange(len(requests), device=self.device), last].float()  # (n, V)
+        tokens = self._choose(self._warp(logits, requests), requests).tolist()
+        features = self._features(out) if self.taps else None  # (n, P, m·d)
+        rows = []
+        for i, (request, token) in enumerate(zip(requests, tokens)):
+            context = features[i, : lengths[i]] if features is not None else None  # every prompt position
+            request._commit([token])
+            rows.append(_Row(request, request.prompt_ids + [token], context))
+        return rows, cache
 
     def _draft(self) -> torch.Tensor:
         """Backbone pass for all rows; returns h (B, γ, d). The drafter cache keeps the new context, not the block.
@@ -480,7 +498,7 @@ class Engine:
         """Each sampling request's warpers on its rows of logits (B, ..., V); greedy rows pass through unchanged."""
         groups: dict[tuple, list[int]] = {}
         for i, request in enumerate(requests):
-            if request.sampling_key is not None and len(request.warpers()):
+            if request.sampling_key is not None and len(request.warpers):
                 groups.setdefault(request.sampling_key, []).append(i)
         if not groups:
             return logits
@@ -489,7 +507,7 @@ class Engine:
             index = torch.tensor(rows, device=logits.device)
             part = logits[index]
             flat = part.reshape(-1, part.shape[-1])  # (rows · slots, V): warpers act per row
-            logits[index] = requests[rows[0]].warpers()(None, flat).reshape(part.shape)
+            logits[index] = requests[rows[0]].warpers(None, flat).reshape(part.shape)
         return logits
 
     def _choose(self, logits: torch.Tensor, requests: list[Request], live: torch.Tensor | None = None):
@@ -591,7 +609,7 @@ def _check_sampling(max_new_tokens, do_sample, temperature, top_p, top_k, seed) 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be an int >= 1, got {max_new_tokens!r}.")
     if do_sample and not temperature > 0:
-        raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature}; for greedy use do_sample=False.")
+        raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature} (greedy: do_sample=False).")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"`top_p` must lie in (0, 1], got {top_p}.")
     if not isinstance(top_k, int) or top_k < 0:

@@ -43,6 +43,7 @@ class Request:
         self.eos_token_ids, self.seed = eos_token_ids, seed
         self.stats = DSparkGenerationStats(block_size=block_size, num_prompt_tokens=len(prompt_ids))
         self.generator: torch.Generator | None = None  # set by the engine on the target's device
+        self._warpers = self._build_warpers()
         self._chunks: queue.Queue = queue.Queue()
         self._done = threading.Event()
 
@@ -67,8 +68,12 @@ class Request:
         """Requests with equal keys share one warper pass; None for greedy."""
         return (self.temperature, self.top_k, self.top_p) if self.do_sample else None
 
+    @property
     def warpers(self) -> LogitsProcessorList:
         """The warpers `generate()` builds for these settings, in its order (temperature, top-k, top-p)."""
+        return self._warpers
+
+    def _build_warpers(self) -> LogitsProcessorList:
         out = LogitsProcessorList()
         if self.temperature != 1.0:
             out.append(TemperatureLogitsWarper(self.temperature))
