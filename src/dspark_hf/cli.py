@@ -47,10 +47,10 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import format_summary, read_prompts, run_bench, write_result
-
     if args.serve:
         return cmd_load_bench(args)
+    from .bench import format_summary, read_prompts, run_bench, write_result
+
     if args.prompts is None:
         raise SystemExit("dspark-hf bench needs --prompts (a JSONL file), or --serve for the load benchmark.")
     records = read_prompts(args.prompts)[: args.limit]
