@@ -86,10 +86,7 @@ def collect_confidence(drafter, target, dataset, seq_len=512, batch_size=4, num_
     from .training.step import block_predictions
 
     logits, labels = [], []
-    for b in range(num_batches):
-        gen = torch.Generator().manual_seed(seed * 7919 + b)
-        indices = torch.randint(0, len(dataset), (batch_size,), generator=gen)
-        ids, mask = dataset.batch(indices.tolist(), seq_len, gen)
+    for ids, mask, gen in dataset.seeded_batches(num_batches, batch_size, seq_len, first_seed=seed * 7919):
         p = block_predictions(drafter, target, ids, mask, num_anchors, gen)
         if p.confidence_logits is None:
             raise ValueError("This drafter has no confidence head; there is nothing to calibrate.")

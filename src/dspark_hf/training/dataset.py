@@ -55,6 +55,20 @@ class TokenDataset:
     def sequence(self, i: int) -> tuple[np.ndarray, int]:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]].astype(np.int64), int(self.loss_start[i])
 
+    def sample_batch(self, batch_size: int, seq_len: int, seed: int):
+        """`batch_size` sequences drawn with replacement, a pure function of `seed`: (input_ids, loss_mask), each
+        (B, seq_len), and the generator, which continues the same random stream (e.g. for anchor sampling)."""
+        generator = torch.Generator().manual_seed(seed)
+        indices = torch.randint(0, len(self), (batch_size,), generator=generator)
+        ids, mask = self.batch(indices.tolist(), seq_len, generator)
+        return ids, mask, generator
+
+    def seeded_batches(self, num_batches: int, batch_size: int, seq_len: int, first_seed: int):
+        """The same `num_batches` batches on every call (held-out evaluation, calibration): `sample_batch` with
+        seeds `first_seed`, `first_seed + 1`, ...; yields (input_ids, loss_mask, generator)."""
+        for b in range(num_batches):
+            yield self.sample_batch(batch_size, seq_len, first_seed + b)
+
     def batch(self, indices, seq_len: int, generator: torch.Generator | None = None):
         """(input_ids, loss_mask), each (B, seq_len). Long sequences are cropped to a random window (so long
         responses are trained to the end); short ones are right-padded (padding is outside the loss mask)."""

@@ -153,10 +153,9 @@ class DSparkTrainer:
 
     def batch_for(self, step: int):
         """The batch of `step` on this rank: a pure function of (seed, step, rank), so resuming replays nothing."""
-        rank = self.accelerator.process_index
-        gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 131 + rank)
-        indices = torch.randint(0, len(self.dataset), (self.config.batch_size,), generator=gen)
-        ids, mask = self.dataset.batch(indices.tolist(), self.config.seq_len, gen)
+        cfg, rank = self.config, self.accelerator.process_index
+        seed = cfg.seed * 1_000_003 + step * 131 + rank
+        ids, mask, gen = self.dataset.sample_batch(cfg.batch_size, cfg.seq_len, seed)
         return ids.to(self.accelerator.device), mask.to(self.accelerator.device), gen
 
     def _loss(self, drafter, ids, mask, gen, vocab_ids=None):
@@ -181,10 +180,8 @@ class DSparkTrainer:
         cfg, module = self.config, self.accelerator.unwrap_model(self.drafter)
         module.eval()
         totals, taus, accs = 0.0, [], []
-        for b in range(cfg.eval_batches):
-            gen = torch.Generator().manual_seed(10_000 + b)
-            indices = torch.randint(0, len(self.heldout), (cfg.batch_size,), generator=gen)
-            ids, mask = self.heldout.batch(indices.tolist(), cfg.seq_len, gen)
+        batches = self.heldout.seeded_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, first_seed=10_000)
+        for ids, mask, gen in batches:
             out = self._loss(module, ids.to(self.accelerator.device), mask.to(self.accelerator.device), gen)
             totals += out.loss.item()
             taus.append(out.greedy_tau.item())
