@@ -68,11 +68,14 @@ def test_profile_and_calibration_beside_the_checkpoint_are_published(tmp_path, t
     make_drafter(target).save_pretrained(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "sps_profile.json").write_text(json.dumps(dict(PROFILE, format="dspark-sps-v1", target={})))
     (tmp_path / "ckpt" / "calibration.json").write_text(json.dumps(CALIBRATION))
+    state = {"step": 400, "best_tau": 2.5, "config": {"data": "train.npz", "max_steps": 1000}}
+    (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps(state))  # as the trainer writes it
     folder = save_for_hub(DSparkDraftModel.from_pretrained(tmp_path / "ckpt"), tmp_path / "repo")
     assert json.loads((folder / "calibration.json").read_text()) == CALIBRATION
     assert json.loads((folder / "sps_profile.json").read_text())["sps"] == PROFILE["sps"]
     card = (folder / "README.md").read_text()
     assert "Profiled on cpu" in card and "| 1 | 1.500 | 0.1234 | 0.0123 | 0.700 |" in card
+    assert '"data": "train.npz"' in card and '"step": 400' in card
 
 
 def test_record_target_finds_the_hub_revision(tmp_path, monkeypatch, target):
@@ -211,24 +214,40 @@ def test_custom_generate_folder_works_without_the_package(tmp_path):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_pairing_check_at_load_with_tokenizer_hash(tmp_path, target):
+def test_pairing_check_at_load_and_generate_with_tokenizer_hashes(tmp_path, target, caplog):
+    import logging
+
     from helpers import char_tokenizer
 
     drafter = make_drafter(target)
     tok = char_tokenizer(99)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     drafter.config.record_target(target, tok)
+    assert drafter.config.target_tokenizer_hash and drafter.config.target_chat_template_hash
     drafter.save_pretrained(tmp_path / "d")
     DSparkDraftModel.from_pretrained(tmp_path / "d", target=target, tokenizer=tok)  # same target: fine
     other = char_tokenizer(99)
     other.add_tokens(["zz"])  # a different vocabulary
+    ids = torch.randint(0, 99, (1, 5))
     with pytest.raises(ValueError, match="tokenizer vocabulary"):
         DSparkDraftModel.from_pretrained(tmp_path / "d", target=target, tokenizer=other)
+    with pytest.raises(ValueError, match="tokenizer vocabulary"):  # and again at generate()
+        target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter, tokenizer=other)
     with pytest.raises(ValueError, match="another target"):
         DSparkDraftModel.from_pretrained(tmp_path / "d", target=make_target(vocab_size=101))
-    tok.chat_template = "{{ messages }}"  # only the chat template differs: a warning, not an error
-    DSparkDraftModel.from_pretrained(tmp_path / "d", target=target, tokenizer=tok)
-    ids = torch.randint(0, 99, (1, 5))
+
+    retemplated = char_tokenizer(99)
+    retemplated.chat_template = "{{ messages }}"  # only the chat template differs: a warning, no error
+    for load_or_generate in (
+        lambda: DSparkDraftModel.from_pretrained(tmp_path / "d", target=target, tokenizer=retemplated),
+        lambda: target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter, tokenizer=retemplated),
+    ):
+        logging.Logger.warning_once.cache_clear()  # transformers' warning_once would hide a repeated warning
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dspark_hf.configuration_dspark"):
+            load_or_generate()
+        assert "chat template differs" in caplog.text
     assert torch.equal(
         target.generate(ids, max_new_tokens=6, do_sample=False),
-        target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter, tokenizer=tok),
+        target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter, tokenizer=retemplated),
     )

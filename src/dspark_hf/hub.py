@@ -173,8 +173,9 @@ def _beside_checkpoint(drafter, name: str) -> Path | None:
 def save_for_hub(drafter, out_dir, results=None, profile=None, training=None, calibration=None) -> Path:
     """Write a complete Hub folder atomically: weights, code (auto_map), README.md, profile, custom_generate/.
 
-    `profile` / `calibration` default to the `sps_profile.json` / `calibration.json` stored beside the drafter's
-    local checkpoint by `dspark-hf profile` / `dspark-hf calibrate`.
+    `profile`, `calibration` and `training` default to what `dspark-hf profile`, `dspark-hf calibrate` and
+    `dspark-hf train` stored beside the drafter's local checkpoint (`sps_profile.json`, `calibration.json`,
+    `trainer_state.json`).
     """
     from .profiling import PROFILE_FILE, load_profile
 
@@ -182,6 +183,8 @@ def save_for_hub(drafter, out_dir, results=None, profile=None, training=None, ca
         profile = load_profile(path)
     if calibration is None and (path := _beside_checkpoint(drafter, CALIBRATION_FILE)) is not None:
         calibration = json.loads(path.read_text(encoding="utf-8"))
+    if training is None and (path := _beside_checkpoint(drafter, "trainer_state.json")) is not None:
+        training = json.loads(path.read_text(encoding="utf-8"))  # step, held-out τ, the training settings
     out_dir = Path(out_dir)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent if out_dir.parent.exists() else None, prefix=".hub-"))
     try:
