@@ -184,9 +184,16 @@ def run_load_benchmark(
         "num_prompts": len(records),
         "block_size": drafter.config.block_size if drafter is not None else None,
         "untrained_drafter": bool(getattr(drafter, "is_untrained", False)),
+        "labels": {name: _label(name, drafter) for name in configurations},
         "curves": curves,
         "targets": compare_curves(curves),
     }
+
+
+def _label(name: str, drafter) -> str:
+    if name == "fixed":
+        return f"fixed γ={drafter.config.block_size}"
+    return "scheduled (Algorithm 1)" if name == "scheduled" else name
 
 
 def _interpolate(points: list[dict], aggregate: float) -> float | None:
@@ -234,7 +241,7 @@ def plot_load(result: dict, png_path: str | Path) -> Path:
     for name, points in result["curves"].items():
         pts = [p for p in points if p["per_user_tok_s"] is not None]
         xs, ys = [p["aggregate_tok_s"] for p in pts], [p["per_user_tok_s"] for p in pts]
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, marker="o", label=result.get("labels", {}).get(name, name))
         for p, x, y in zip(pts, xs, ys):
             ax.annotate(f"C={p['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("aggregate throughput (tok/s)")

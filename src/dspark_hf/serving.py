@@ -197,7 +197,8 @@ class _Handler(BaseHTTPRequestHandler):
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ProtocolError(f"The request body is not valid JSON: {err}.") from err
-            parsed = _PARSERS[path](body, self.app.tokenizer, self.app.limits)
+            with self.app.tokenizer_lock:  # a Rust tokenizer may refuse concurrent calls ("Already borrowed")
+                parsed = _PARSERS[path](body, self.app.tokenizer, self.app.limits)
             completion = _Completion(self.app.engine, self.app.tokenizer, parsed)
         except ProtocolError as err:
             return self._send_error(err)
@@ -290,6 +291,7 @@ class DSparkServer:
         if not max_model_len:
             raise ValueError("DSparkServer needs `max_model_len` (the target's context length in tokens).")
         self.engine, self.tokenizer = engine, tokenizer
+        self.tokenizer_lock = threading.Lock()
         self.limits = ServingLimits(model_name, int(max_model_len), int(vocab_size))
         self.created = int(time.time())
         self.httpd = _HTTPServer((host, port), _Handler)
