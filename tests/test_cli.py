@@ -33,13 +33,17 @@ def test_bench_writes_identical_results(tmp_path):
             str(tmp_path / "target"),
             "--drafter",
             str(tmp_path / "drafter"),
+            "--latency-lengths",
+            "",
         ]
     )
     result = json.loads(out.read_text())
-    assert code == 0 and result["all_identical"] and result["num_prompts"] == 3
-    assert len(result["per_prompt"]) == 3 and all(p["new_tokens"] == 9 for p in result["per_prompt"])
-    assert result["tokens_per_second_plain"] > 0 and result["speedup"] > 0
-    assert len(result["per_position_acceptance"]) == 4
+    assert code == 0 and result["all_identical"]
+    (run,) = result["runs"]  # one dataset ("prompts", the file stem), one drafter, greedy
+    assert run["dataset"] == "prompts" and run["num_prompts"] == 3 and run["all_identical"]
+    assert len(run["per_prompt"]) == 3 and all(p["new_tokens"] == 9 for p in run["per_prompt"])
+    assert run["tokens_per_second_plain"] > 0 and run["speedup"] > 0
+    assert len(run["per_position_acceptance"]) == 4
 
 
 def test_read_prompts_rejects_bad_lines(tmp_path):

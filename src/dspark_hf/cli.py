@@ -46,25 +46,94 @@ def cmd_demo(args) -> int:
     return 0 if result["all_identical"] else 1
 
 
+def _int_list(text: str) -> list[int]:
+    """ "1-4,8" -> [1, 2, 3, 4, 8]."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        if item:
+            low, _, high = item.partition("-")
+            values += list(range(int(low), int(high or low) + 1))
+    return values
+
+
+def _load_drafters(args):
+    """(target, tokenizer, {label: drafter}) for `bench`: every `--drafter [LABEL=]PATH`, else the default drafter."""
+    from .evaluation import load_assistant, parse_drafters
+
+    specs = parse_drafters(args.drafter or [])
+    if not specs:
+        args.drafter = None
+        target, tokenizer, drafter = _load(args)
+        return target, tokenizer, {"default": drafter}
+    if args.target is None:
+        from .default import load_default_target
+
+        target, tokenizer = load_default_target()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    return target, tokenizer, {label: load_assistant(path) for label, path in specs.items()}
+
+
 def cmd_bench(args) -> int:
     if args.serve:
+        if len(args.prompts or []) > 1 or len(args.drafter or []) > 1:
+            raise SystemExit("bench --serve takes at most one --prompts file and one --drafter.")
+        args.prompts = args.prompts[0] if args.prompts else None
+        args.drafter = args.drafter[0] if args.drafter else None
         return cmd_load_bench(args)
-    from .bench import format_summary, read_prompts, run_bench, write_result
+    from pathlib import Path
 
-    if args.prompts is None:
-        raise SystemExit("dspark-hf bench needs --prompts (a JSONL file), or --serve for the load benchmark.")
-    records = read_prompts(args.prompts)[: args.limit]
-    target, tokenizer, drafter = _load(args)
+    from .bench import read_prompts
+    from .evaluation import format_evaluation, parse_datasets, run_evaluation
+    from .utils import atomic_write_json
+
+    try:
+        files = parse_datasets(args.prompts, args.datasets)
+        temperatures = [float(t) for t in args.temperature.split(",") if t.strip()]
+        lengths = _int_list(args.latency_lengths)
+    except ValueError as err:
+        raise SystemExit(f"dspark-hf bench: {err}") from err
+    if not files:
+        raise SystemExit(
+            "dspark-hf bench needs prompts: --prompts FILE.jsonl (repeatable) or --datasets name=FILE.jsonl,... "
+            "(see docs/evaluation.md), or --serve for the load benchmark."
+        )
+    datasets = {name: read_prompts(path)[: args.limit] for name, path in files.items()}
+    target, tokenizer, drafters = _load_drafters(args)
     if args.verify_policy:
-        drafter.config.verify_policy = args.verify_policy
-    result = run_bench(target, tokenizer, drafter, records, max_new_tokens=args.max_new_tokens)
-    result["prompts_file"] = str(args.prompts)
-    result["untrained_drafter"] = bool(getattr(drafter, "is_untrained", False))
-    print(format_summary(result))
+        for drafter in drafters.values():
+            if hasattr(drafter.config, "verify_policy"):
+                drafter.config.verify_policy = args.verify_policy
+    result = run_evaluation(
+        target,
+        tokenizer,
+        drafters,
+        datasets,
+        max_new_tokens=args.max_new_tokens,
+        temperatures=temperatures,
+        seed=args.seed,
+        latency_lengths=lengths,
+        latency_new_tokens=args.latency_new_tokens,
+    )
+    result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
+    for name, path in files.items():
+        result["datasets"][name]["path"] = str(path)
+    print(format_evaluation(result))
+    written = []
+    if args.out:
+        from .evaluation_plots import plot_evaluation
+
+        atomic_write_json(result, Path(args.out) / "evaluation.json")
+        written += [Path(args.out) / "evaluation.json", *plot_evaluation(result, args.out)]
     if args.json:
-        write_result(result, args.json)
-        print(f"wrote {args.json}")
-    return 0 if result["all_identical"] else 1
+        atomic_write_json(result, args.json)
+        written.append(args.json)
+    if written:
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 1 if result["all_identical"] is False else 0
 
 
 def _model_name(args) -> str:
@@ -292,9 +361,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add_models(p):
+    def add_models(p, many_drafters=False):
         p.add_argument("--target", help="target model path or Hub id (default: embedded SmolLM2-135M-Instruct)")
-        p.add_argument("--drafter", help="DSpark drafter checkpoint (default: the shipped default drafter)")
+        if many_drafters:
+            p.add_argument(
+                "--drafter",
+                action="append",
+                metavar="[LABEL=]PATH",
+                help="a drafter checkpoint, optionally labelled; repeat to compare several (default: the shipped one)",
+            )
+        else:
+            p.add_argument("--drafter", help="DSpark drafter checkpoint (default: the shipped default drafter)")
 
     demo = sub.add_parser("demo", help="reply to one prompt with the embedded default; print τ and speedup")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
@@ -302,13 +379,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_models(demo)
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="plain vs DSpark greedy on a JSONL prompt file, side by side")
-    bench.add_argument("--prompts", help='JSONL with "prompt", "messages" or "turns" per line (optional with --serve)')
+    bench = sub.add_parser("bench", help="evaluate drafters against plain decoding on benchmark prompt sets")
+    bench.add_argument(
+        "--prompts",
+        action="append",
+        help='JSONL with "prompt", "messages" or "turns" per line, named by its file stem; repeatable',
+    )
+    bench.add_argument("--datasets", help="name=FILE.jsonl,... (e.g. mt-bench=mt-bench.jsonl,gsm8k=gsm8k.jsonl)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each dataset")
+    bench.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,1 (0 = greedy, checked lossless)")
+    bench.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     bench.add_argument("--verify-policy", choices=["threshold", "fixed", "scheduler"], default=None)
-    bench.add_argument("--json", help="write per-prompt and summary results here")
-    add_models(bench)
+    bench.add_argument(
+        "--latency-lengths", default="1,2,4,6,8,12,16", help="draft lengths for the latency sweep, e.g. 1-16 ('' off)"
+    )
+    bench.add_argument("--latency-new-tokens", type=int, default=48, help="tokens decoded per latency-sweep length")
+    bench.add_argument("--out", help="folder for evaluation.json and the PNG plots")
+    bench.add_argument("--json", help="write the full result JSON here")
+    add_models(bench, many_drafters=True)
     add_load_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 

@@ -5,13 +5,19 @@ with no registry. We wrap it once, narrowly: when the assistant's `config.model_
 drafter loaded with `trust_remote_code` works too) we return a `DSparkCandidateGenerator`; everything else goes to
 the original. `enable(model)` / `disable(model)` do the same for one object only, and `generate` is a
 `custom_generate` entry point. Each private name used here is listed in `_PRIVATE_API` and checked at import.
+Inside `record_draft_rounds()` every candidate generator the selector returns (DSpark's or transformers' own) also
+logs the wall time and size of each drafting round, for the evaluation harness.
 
 Tested with transformers 5.24 and 5.25 (5.25 reads `CandidateGenerator.num_drafting_tokens`).
 """
 
+import contextlib
 import functools
+import time
 import types
+from dataclasses import dataclass
 
+import torch
 import transformers
 from packaging import version
 from transformers.generation.utils import GenerationMixin
@@ -66,7 +72,7 @@ def _wrap_selector(original):
         if is_dspark_drafter(assistant_model):
             from .candidate_generator import DSparkCandidateGenerator
 
-            return DSparkCandidateGenerator(
+            generator = DSparkCandidateGenerator(
                 assistant_model,
                 self,
                 generation_config,
@@ -74,19 +80,84 @@ def _wrap_selector(original):
                 input_ids=input_ids,
                 tokenizer=kwargs.get("target_tokenizer"),
             )
-        return original(
-            self,
-            generation_config=generation_config,
-            input_ids=input_ids,
-            inputs_tensor=inputs_tensor,
-            logits_processor=logits_processor,
-            model_kwargs=model_kwargs,
-            assistant_model=assistant_model,
-            **kwargs,
-        )
+        else:
+            generator = original(
+                self,
+                generation_config=generation_config,
+                input_ids=input_ids,
+                inputs_tensor=inputs_tensor,
+                logits_processor=logits_processor,
+                model_kwargs=model_kwargs,
+                assistant_model=assistant_model,
+                **kwargs,
+            )
+        return _observe(generator)
 
     setattr(selector, _MARKER, True)
     return selector
+
+
+@dataclass
+class DraftRound:
+    """One `get_candidates` call of a candidate generator inside `generate()`.
+
+    start: `time.perf_counter()` when drafting began; seconds: wall time of the call (drafting only, the target's
+    verify pass follows it); proposed: draft tokens returned; first: the call before the prefill (DSpark drafts
+    nothing there, transformers' assistants draft from the prompt); accepted: drafts the target accepted, from
+    `update_candidate_strategy` (None if the loop ended before it).
+    """
+
+    start: float
+    seconds: float
+    proposed: int
+    first: bool
+    accepted: int | None = None
+
+
+_RECORDERS: list[list[DraftRound]] = []
+
+
+@contextlib.contextmanager
+def record_draft_rounds():
+    """Within the block, every `generate()` with an assistant appends its drafting rounds to the yielded list."""
+    rounds: list[DraftRound] = []
+    _RECORDERS.append(rounds)
+    try:
+        yield rounds
+    finally:
+        _RECORDERS.remove(rounds)
+
+
+def _synchronize(tensor) -> None:
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+def _observe(generator):
+    """Time `generator.get_candidates` and note accepted counts while a `record_draft_rounds()` block is open."""
+    if not _RECORDERS:
+        return generator
+    rounds, get_candidates, update = _RECORDERS[-1], generator.get_candidates, generator.update_candidate_strategy
+    own: list[DraftRound] = []
+
+    def timed_get_candidates(input_ids, *args, **kwargs):
+        _synchronize(input_ids)
+        start = time.perf_counter()
+        candidate_ids, candidate_logits = get_candidates(input_ids, *args, **kwargs)
+        _synchronize(candidate_ids)
+        proposed = candidate_ids.shape[1] - input_ids.shape[1]
+        own.append(DraftRound(start, time.perf_counter() - start, proposed, first=not own))
+        rounds.append(own[-1])
+        return candidate_ids, candidate_logits
+
+    def counted_update(input_ids, scores, num_matches):
+        if own:
+            own[-1].accepted = int(num_matches)
+        return update(input_ids, scores, num_matches)
+
+    generator.get_candidates = timed_get_candidates
+    generator.update_candidate_strategy = counted_update
+    return generator
 
 
 def install_candidate_generator() -> None:
@@ -117,4 +188,12 @@ def generate(model, *args, **kwargs):
     return GenerationMixin.generate(enable(model), *args, **kwargs)
 
 
-__all__ = ["disable", "enable", "generate", "install_candidate_generator", "is_dspark_drafter"]
+__all__ = [
+    "DraftRound",
+    "disable",
+    "enable",
+    "generate",
+    "install_candidate_generator",
+    "is_dspark_drafter",
+    "record_draft_rounds",
+]

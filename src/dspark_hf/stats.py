@@ -59,6 +59,24 @@ class DSparkGenerationStats:
         return [a / r if r else None for r, a in zip(reached, accepted)]
 
     @property
+    def acceptance_length_by_draft_length(self) -> list[float | None]:
+        """τ(L) for L = 1..γ, had every round verified at most L drafts: 1 + Σ_{k≤L} Π_{j≤k} a_k from the
+        conditional rates a_k (None from the first position no draft reached).
+
+        Under the fixed full-block policy the product telescopes to 1 + mean(min(accepted, L)) per round, so τ(γ) is
+        the measured τ (rounds cut by EOS or the length limit aside). Under a confidence policy the rates are
+        conditional on being verified, which makes τ(L) past the usual cut optimistic.
+        """
+        curve, tau, survive = [], 1.0, 1.0
+        for rate in self.per_position_acceptance:
+            if rate is None:
+                break
+            survive *= rate
+            tau += survive
+            curve.append(tau)
+        return curve + [None] * (self.block_size - len(curve))
+
+    @property
     def mean_verify_length(self) -> float:
         steps = self.num_target_forwards
         return sum(self.verify_lengths) / steps if steps else 0.0
