@@ -163,6 +163,7 @@ def test_models_health_and_unknown_paths(served):
 BAD_REQUESTS = [
     ("/v1/completions", None, b"{not json", 400, None),
     ("/v1/completions", None, b"\xff\xfe", 400, None),
+    ("/v1/completions", None, b'{"prompt": "a", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", [1, 2], None, 400, None),
     ("/v1/completions", {"max_tokens": 3}, None, 400, "prompt"),
     ("/v1/completions", {"prompt": 7}, None, 400, "prompt"),

@@ -6,6 +6,7 @@ message naming the field); the `*_response` / `*_chunk` builders produce OpenAI'
 statistics travel in an extra top-level `"dspark"` field, which OpenAI clients ignore.
 """
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -89,8 +90,8 @@ def _number(body, name, low, high, default, *, low_open=False):
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProtocolError(f"`{name}` must be a number, got {type(value).__name__}.", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProtocolError(f"`{name}` must be a finite number, got {value!r}.", name)
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise ProtocolError(f"`{name}` must lie in {bracket}{low}, {high}], got {value}.", name)
