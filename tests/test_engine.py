@@ -1,6 +1,7 @@
 """The batched `Engine`: each request's output is its own plain output, whatever else shares the batch."""
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -16,11 +17,20 @@ FLAT_SPS = {b: 100.0 for b in range(1, 200)}  # verification is free: Algorithm 
 STEEP_SPS = {b: 100.0 / b for b in range(1, 200)}  # compute-bound: only confident drafts pay
 
 
+_PLAIN = weakref.WeakKeyDictionary()  # target -> {prompt: longest plain output computed so far (no EOS)}
+
+
 def plain_output(target, prompt, max_new_tokens, eos_token_id=None) -> list[int]:
-    """The oracle: `target.generate` on the prompt alone."""
+    """The oracle: `target.generate` on the prompt alone (without EOS, a shorter budget is a prefix of a longer)."""
+    known = _PLAIN.setdefault(target, {}).get(tuple(prompt), []) if eos_token_id is None else []
+    if len(known) >= max_new_tokens:
+        return known[:max_new_tokens]
     ids = torch.tensor([prompt])
     out = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-    return out[0, len(prompt) :].tolist()
+    out = out[0, len(prompt) :].tolist()
+    if eos_token_id is None:
+        _PLAIN[target][tuple(prompt)] = out
+    return out
 
 
 def make_engine(target, policy, drafter=None, sps=FLAT_SPS, **kwargs) -> Engine:
@@ -54,7 +64,7 @@ def pin_engine_drafter(engine: Engine, references: dict[tuple, list[int]], diver
     return engine
 
 
-def references_for(target, prompts, max_new_tokens=60) -> dict[tuple, list[int]]:
+def references_for(target, prompts, max_new_tokens=45) -> dict[tuple, list[int]]:
     return {tuple(p): p + plain_output(target, p, max_new_tokens) for p in prompts}
 
 
@@ -97,8 +107,11 @@ def test_requests_added_between_steps(target, policy):
     assert [len(r.output_ids) for r in requests] == [20, 7, 15, 15, 15]
 
 
-@pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler"])
-@pytest.mark.parametrize("diverge_at", [None, 0, 2])
+@pytest.mark.parametrize(
+    "policy, diverge_at",
+    [("fixed", None), ("fixed", 0), ("fixed", 2), ("threshold", None), ("threshold", 1), ("scheduler", None),
+     ("scheduler", 2)],
+)  # fmt: skip
 def test_oracle_and_diverging_drafters(target, policy, diverge_at):
     prompts = random_prompts([3, 8, 5, 13])
     engine = make_engine(target, policy, drafter=make_drafter(target, confidence_threshold=0.0))
@@ -311,7 +324,7 @@ def test_accept_speculative_sampling_rules():
 # -- sampling: exactly the target's distribution per request -----------------------------------------------------
 
 
-def sample_groups(policy, n_per_group, sps=FLAT_SPS, max_batch_size=16):
+def sample_groups(policy, n_per_group, sps=FLAT_SPS, max_batch_size=32):
     """Requests with two sampling settings interleaved in one engine; returns the first 3 tokens of each, per
     setting, and the exact target distributions under those settings."""
     from test_sampling import PROMPT, exact_joint, setup_models, warpers
@@ -321,10 +334,10 @@ def sample_groups(policy, n_per_group, sps=FLAT_SPS, max_batch_size=16):
     probs = [exact_joint(target, warpers(**s)) for s in settings]
     engine = make_engine(target, policy, drafter=drafter, sps=sps, max_batch_size=max_batch_size)
     requests = [[], []]
-    for seed in range(n_per_group):
+    for seeds in range(10**5, 10**5 + 2 * n_per_group, 2):
         for group, setting in enumerate(settings):
             kwargs = {"top_k": 0, "top_p": 1.0, **setting}
-            request = engine.add_request(PROMPT[0], max_new_tokens=5, do_sample=True, seed=2 * seed + group, **kwargs)
+            request = engine.add_request(PROMPT[0], max_new_tokens=5, do_sample=True, seed=seeds + group, **kwargs)
             requests[group].append(request)
     while engine.has_unfinished():
         engine.step()
@@ -352,6 +365,22 @@ def test_sampling_matches_target_distribution_many_samples(policy, sps):
     for group_samples, group_probs in zip(samples, probs):
         rejects, stat, critical = chi_square_rejects(group_samples, group_probs)
         assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}"
+
+
+@pytest.mark.slow
+def test_negative_control_accepting_every_draft_is_detected(monkeypatch):
+    """An engine that skips the rejection test must fail the same chi-square test."""
+    import dspark_hf.engine
+    from test_sampling import chi_square_rejects
+
+    def accept_all(target_probs, draft_probs, draft_ids, generator=None):
+        n = draft_ids.shape[0]
+        return n, int(torch.multinomial(target_probs[n], 1, generator=generator))
+
+    monkeypatch.setattr(dspark_hf.engine, "accept_speculative_sampling", accept_all)
+    samples, probs, _ = sample_groups("fixed", 1500)
+    rejects, stat, critical = chi_square_rejects(samples[0], probs[0])
+    assert rejects, f"the test failed to notice unverified drafts (chi2 {stat:.1f} <= {critical:.1f})"
 
 
 def test_seeded_sampling_is_reproducible(target):

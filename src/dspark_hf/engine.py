@@ -22,6 +22,7 @@ identically distributed under sampling (per-request `torch.Generator`, seeded by
 
 import inspect
 import itertools
+import operator
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -59,13 +60,18 @@ class _Block:
 
     tokens (B, K): drafts (K = the most any row examined; columns past a row's length are padding); logits
     (B, K, V): processed draft logits they were drawn from (None when no row samples); lengths: ℓ_r to verify;
-    survival: calibrated cumulative survival of the positions each row examined.
+    confidences: calibrated conditional acceptance c_{r,k} of the positions row r examined.
     """
 
     tokens: torch.LongTensor
     logits: torch.Tensor | None
     lengths: list[int]
-    survival: list[list[float]]
+    confidences: list[list[float]]
+
+    @property
+    def survival(self) -> list[list[float]]:
+        """Cumulative survival a_{r,k} = Π_{i<=k} c_{r,i} per row."""
+        return [list(itertools.accumulate(c, operator.mul)) for c in self.confidences]
 
 
 class Engine:
@@ -261,7 +267,7 @@ class Engine:
                 finished = self._retire() + self._admit()
                 self._crop()  # a sliding-window target must see right-aligned rows from the first verify on
                 if self.rows:
-                    block = self._schedule(self._draft()) if self.drafter is not None else self._no_drafts()
+                    block = self._no_drafts() if self.drafter is None else self._schedule(self._sample(self._draft()))
                     logits, features = self._verify(block)
                     accepted, bonus = self._accept(block, logits)
                     self._commit(block, accepted, bonus, features)
@@ -357,12 +363,12 @@ class Engine:
             row.context = None
         return out.last_hidden_state
 
-    def _schedule(self, hidden: torch.Tensor) -> _Block:
-        """Sample every row's block token by token (DSpark §3.5) and choose ℓ_r per the verify policy.
+    def _sample(self, hidden: torch.Tensor) -> _Block:
+        """Token-by-token sampling through the sequential head for all rows at once (DSpark §3.5).
 
-        hidden (B, γ, d). A row never verifies more drafts than it may still commit (`remaining - 1`: the bonus).
-        "threshold" stops a row at its first position with survival below the threshold; "scheduler" runs
-        Algorithm 1 over all rows; both decide position k from positions <= k only, which keeps them lossless.
+        hidden (B, γ, d). For k = 1..K: the confidence of position k from [h_k; x_{k-1}] (before x_k exists), then
+        x_k from processors(U_k + B_k(x_{k-1})): argmax, or a draw from the row's own generator. Row r examines
+        `cap_r = min(γ, remaining_r - 1)` positions (it cannot commit more: the bonus takes the last slot).
         """
         requests = [row.request for row in self.rows]
         caps = [min(self.block_size, r.remaining - 1) for r in requests]
@@ -373,33 +379,30 @@ class Engine:
             return _Block(tokens, None, caps, [[] for _ in requests])
         base = self.drafter.base_logits(hidden[:, :steps], self.lm_head)  # (B, K, V), one LM-head matmul
         logits_out = base.new_zeros(base.shape) if any(r.do_sample for r in requests) else None
-        cap = torch.tensor(caps, device=hidden.device)
-        live, lengths = cap > 0, torch.zeros_like(cap)
-        survival, conditional, state = base.new_ones(len(requests)), [], None
+        conditional, state = [], None
         for k in range(steps):
             h_k = hidden[:, k : k + 1]
-            conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1), before x_k exists
+            conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1) or None without a confidence head
             if conf is not None:
-                conditional.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))
-                survival = survival * conditional[-1]
-            live = live & (k < cap)
-            if self.policy == "threshold":
-                live = live & (survival >= self.drafter.config.confidence_threshold)
-            if not bool(live.any()):
-                break
+                conditional.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))  # STS-calibrated c_k
             bias, state = self.drafter.sequential_bias(prev, h_k, state)
             logits = self._warp(base[:, k] if bias is None else base[:, k] + bias[:, 0], requests)  # (B, V)
-            tokens[:, k] = self._choose(logits, requests, live)
+            tokens[:, k] = self._choose(logits, requests, live=[k < cap for cap in caps])
             if logits_out is not None:
                 logits_out[:, k] = logits
-            prev, lengths = tokens[:, k : k + 1], lengths + live
+            prev = tokens[:, k : k + 1]
         conditional = torch.stack(conditional, dim=1).tolist() if conditional else [[] for _ in requests]
-        lengths = lengths.tolist()
-        if self.policy == "scheduler":
-            lengths = prefix_schedule([c[:n] for c, n in zip(conditional, caps)], self.sps)
-        examined = [min(n + 1, c) if self.policy == "threshold" else c for n, c in zip(lengths, caps)]
-        survival = [list(itertools.accumulate(c[:n], lambda a, b: a * b)) for c, n in zip(conditional, examined)]
-        return _Block(tokens, logits_out, lengths, survival)
+        return _Block(tokens, logits_out, caps, [c[:cap] for c, cap in zip(conditional, caps)])
+
+    def _schedule(self, block: _Block) -> _Block:
+        """Verify lengths ℓ_r <= cap_r per the policy. Each decides position k from survivals of positions <= k
+        (and, for Algorithm 1, other rows' survivals), never from x_k itself: the cut stays lossless."""
+        if self.policy == "threshold":
+            threshold = self.drafter.config.confidence_threshold
+            block.lengths = [sum(1 for _ in itertools.takewhile(lambda a: a >= threshold, s)) for s in block.survival]
+        elif self.policy == "scheduler":
+            block.lengths = prefix_schedule(block.confidences, self.sps)
+        return block  # "fixed": the whole (capped) block
 
     def _no_drafts(self) -> _Block:
         """Plain decoding: every row verifies only its anchor."""
@@ -450,11 +453,12 @@ class Engine:
         width = max(block.lengths) + 1
         keep = torch.arange(width, device=self.device)[None] <= torch.tensor(accepted, device=self.device)[:, None]
         self.target_cache.commit(keep)  # rejected and padding slots become holes
+        survival = block.survival
         for i, row in enumerate(self.rows):
             n_acc, request = accepted[i], row.request
             new = block.tokens[i, :n_acc].tolist() + [bonus[i]]
             stopped = request._commit(new)
-            request.stats.record_step(block.lengths[i], n_acc, stopped=stopped, survival=block.survival[i])
+            request.stats.record_step(block.lengths[i], n_acc, stopped=stopped, survival=survival[i])
             row.seq += new
             if features is not None:
                 row.context = features[i, : n_acc + 1]  # the old anchor + accepted drafts; the bonus is the anchor
@@ -510,12 +514,12 @@ class Engine:
             logits[index] = requests[rows[0]].warpers(None, flat).reshape(part.shape)
         return logits
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request], live: torch.Tensor | None = None):
+    def _choose(self, logits: torch.Tensor, requests: list[Request], live: list[bool] | None = None):
         """Next token per row from processed logits (B, V): argmax, or a draw from the row's own generator for
-        sampling rows (only `live` rows draw, so a request's random stream does not depend on the batch)."""
+        sampling rows. Only `live` rows draw, so a request's random stream does not depend on the batch."""
         tokens = logits.argmax(dim=-1)
         for i, request in enumerate(requests):
-            if request.do_sample and (live is None or bool(live[i])):
+            if request.do_sample and (live is None or live[i]):
                 probs = torch.softmax(logits[i], dim=-1)
                 tokens[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
         return tokens
