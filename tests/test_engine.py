@@ -10,11 +10,13 @@ from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3Fo
 from conftest import make_drafter, make_target
 from dspark_hf import Engine
 from dspark_hf.acceptance import accept_greedy, accept_speculative_sampling
+from dspark_hf.ragged_cache import RaggedCache
 
 
 POLICIES = ["plain", "fixed", "threshold", "scheduler"]
 FLAT_SPS = {b: 100.0 for b in range(1, 200)}  # verification is free: Algorithm 1 admits every draft it can
 STEEP_SPS = {b: 100.0 / b for b in range(1, 200)}  # compute-bound: only confident drafts pay
+LOADED_SPS = {b: 100.0 / (1 + b / 40) for b in range(1, 300)}  # in between: Algorithm 1 cuts some rows short
 
 
 _PLAIN = weakref.WeakKeyDictionary()  # target -> {prompt: longest plain output computed so far (no EOS)}
@@ -357,11 +359,16 @@ def test_sampling_matches_target_distribution(policy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy, sps", [("plain", None), ("fixed", None), ("scheduler", STEEP_SPS), ("threshold", None)])
+@pytest.mark.parametrize(
+    "policy, sps", [("plain", None), ("fixed", None), ("threshold", None), ("scheduler", FLAT_SPS), ("scheduler", "load")]
+)
 def test_sampling_matches_target_distribution_many_samples(policy, sps):
     from test_sampling import chi_square_rejects
 
-    samples, probs, _ = sample_groups(policy, 6000, sps=sps)
+    sps = LOADED_SPS if sps == "load" else sps
+    samples, probs, engine = sample_groups(policy, 6000, sps=sps)
+    if policy != "plain":
+        assert 0 < engine.stats["mean_verify_length"] < engine.block_size
     for group_samples, group_probs in zip(samples, probs):
         rejects, stat, critical = chi_square_rejects(group_samples, group_probs)
         assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}"
@@ -393,3 +400,54 @@ def test_seeded_sampling_is_reproducible(target):
             engine.step()
         runs.append([r.output_ids for r in requests])
     assert runs[0] == runs[1]
+
+
+# -- the ragged cache ---------------------------------------------------------------------------------------------
+
+
+def filled_cache(valid: list[list[int]], layers: int = 2) -> tuple[RaggedCache, torch.Tensor]:
+    """A RaggedCache whose key at (row, slot) is 100·row + slot (values: the negation), with `valid` recorded."""
+    valid = torch.tensor(valid, dtype=torch.bool)
+    bsz, slots = valid.shape
+    keys = (100 * torch.arange(bsz)[:, None] + torch.arange(slots)).float()  # (B, T)
+    cache = RaggedCache("cpu", batch_size=bsz)
+    for layer in range(layers):
+        kv = keys[:, None, :, None].expand(bsz, 2, slots, 3)  # (B, H, T, hd)
+        cache.cache.update(kv.clone(), -kv.clone(), layer)
+    cache.commit(valid)
+    return cache, keys
+
+
+def stored_keys(cache: RaggedCache) -> torch.Tensor:
+    """(B, T) key ids of layer 0, with holes as -1."""
+    key = next(iter(cache.cache))[0][:, 0, :, 0]
+    return torch.where(cache.valid, key, torch.full_like(key, -1))
+
+
+def test_ragged_cache_compact_trim_select_extend():
+    cache, _ = filled_cache([[1, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    cache.trim()  # the last slot is a hole in every row
+    assert cache.num_slots == 4 and cache.cache.get_seq_length() == 4
+    assert not cache.is_right_aligned()
+    cache.compact()  # each row's valid keys, in order, right-aligned
+    assert stored_keys(cache).tolist() == [[-1, 0, 2, 3], [-1, -1, 101, 102], [200, 201, 202, 203]]
+    assert cache.is_right_aligned() and cache.lengths().tolist() == [3, 2, 4]
+    assert all(torch.equal(v, -k) for k, v, *_ in cache.cache)  # values moved with their keys
+    cache.select([2, 0])
+    assert stored_keys(cache).tolist() == [[200, 201, 202, 203], [-1, 0, 2, 3]]
+    other, _ = filled_cache([[1, 1, 1, 1, 1, 1]])
+    cache.extend(other)  # both sides left-padded with holes to 6 slots
+    assert stored_keys(cache).tolist() == [[-1, -1, 200, 201, 202, 203], [-1, -1, -1, 0, 2, 3], [0, 1, 2, 3, 4, 5]]
+    cache.extend(RaggedCache("cpu", batch_size=1))  # a row without K/V yet: all holes
+    assert cache.batch_size == 4 and not bool(cache.valid[3].any()) and cache.cache.get_seq_length() == 6
+    cache.select([])
+    assert cache.batch_size == 0 and cache.num_slots == 0
+
+
+def test_short_sps_profile_is_extended():
+    from dspark_hf.engine import _covering_sps
+
+    table = {b: 50.0 for b in range(1, 6)}
+    sps = _covering_sps(table, 40)
+    assert sps(3) == 50.0 and sps(40) == pytest.approx(50.0 * 5 / 40)
+    assert _covering_sps({b: 1.0 for b in range(1, 41)}, 40)[40] == 1.0  # a covering table is used as it is

@@ -304,28 +304,24 @@ class Engine:
         ids = torch.tensor([r.prompt_ids + [0] * (width - len(r.prompt_ids)) for r in requests], device=self.device)
         last = torch.tensor(lengths, device=self.device) - 1  # (n,) position of each prompt's last token
         valid = torch.arange(width, device=self.device)[None] <= last[:, None]  # (n, P)
-        kwargs = {}
+        kept = torch.unique(last)  # sorted; only these logits are computed, as generate() keeps only the last
+        kwargs = {"logits_to_keep": kept} if self.keeps_logits else {}
         if not bool(valid.all()):
             kwargs["attention_mask"] = valid.long()
-        if self.keeps_logits:  # only the logits needed, as generate() does: the last position (of each prompt)
-            kwargs["logits_to_keep"] = 1 if bool(valid.all()) else torch.unique(last)
         cache = RaggedCache(self.device, batch_size=len(requests))
         out = self.target(
             input_ids=ids, use_cache=True, output_hidden_states=self.taps, **kwargs, **{self.cache_arg: cache.cache}
         )
         cache.commit(valid)
         self._counts["prefills"] += 1
-        if "logits_to_keep" in kwargs and not bool(valid.all()):
-            last = torch.searchsorted(kwargs["logits_to_keep"], last)  # index among the kept positions
-        elif "logits_to_keep" in kwargs:
-            last = torch.zeros_like(last)
-        logits = out.logits[torch.arange(len(requests), device=self.device), last].float()  # (n, V)
+        column = torch.searchsorted(kept, last) if self.keeps_logits else last
+        logits = out.logits.to(self.device)[torch.arange(len(requests), device=self.device), column].float()  # (n, V)
         tokens = self._choose(self._warp(logits, requests), requests).tolist()
         features = self._features(out) if self.taps else None  # (n, P, m·d)
         rows = []
         for i, (request, token) in enumerate(zip(requests, tokens)):
             context = features[i, : lengths[i]] if features is not None else None  # every prompt position
-            request._commit([token])
+            self._emit(request, [token])
             rows.append(_Row(request, request.prompt_ids + [token], context))
         return rows, cache
 
@@ -427,7 +423,7 @@ class Engine:
             output_hidden_states=self.taps, **{self.cache_arg: self.target_cache.cache},
         )  # fmt: skip
         self._counts["rounds"] += 1
-        return out.logits.float(), self._features(out) if self.taps else None
+        return out.logits.to(self.device).float(), self._features(out) if self.taps else None
 
     def _accept(self, block: _Block, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Accepted draft count and bonus token per row: greedy match, or rejection sampling for sampling rows."""
@@ -457,7 +453,7 @@ class Engine:
         for i, row in enumerate(self.rows):
             n_acc, request = accepted[i], row.request
             new = block.tokens[i, :n_acc].tolist() + [bonus[i]]
-            stopped = request._commit(new)
+            stopped = self._emit(request, new)
             request.stats.record_step(block.lengths[i], n_acc, stopped=stopped, survival=survival[i])
             row.seq += new
             if features is not None:
@@ -496,7 +492,7 @@ class Engine:
 
     def _features(self, out) -> torch.Tensor:
         """Tapped target layers, concatenated in `target_layer_ids` order: (B, L, m·d)."""
-        return torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)
+        return torch.cat([out.hidden_states[i].to(self.device) for i in self.taps], dim=-1)
 
     def _warp(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each sampling request's warpers on its rows of logits (B, ..., V); greedy rows pass through unchanged."""
@@ -524,12 +520,18 @@ class Engine:
                 tokens[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
         return tokens
 
+    def _emit(self, request: Request, tokens: list[int]) -> bool:
+        """Commit tokens to a request (clipped at EOS / max_new_tokens); True if it finished."""
+        before = len(request.output_ids)
+        finished = request._commit(tokens)
+        self._counts["generated_tokens"] += len(request.output_ids) - before
+        return finished
+
     def _released(self, request: Request) -> Request:
         """Bookkeeping for a finished request."""
         with self._lock:
             self._requests.pop(request.request_id, None)
         self._counts["finished_requests"] += 1
-        self._counts["generated_tokens"] += len(request.output_ids)
         reached, accepted = request.stats.position_counts()
         for k in range(self.block_size):
             self._position_counts[0][k] += reached[k]
