@@ -273,6 +273,7 @@ def test_abort_running_and_queued_requests(target):
         ([1, 500], {}, ValueError, "vocabulary"),
         (torch.ones(2, 3, dtype=torch.long), {}, ValueError, "1-D"),
         ("hello", {}, TypeError, "tokenizer"),
+        ([1.5, 2], {}, TypeError, "list of ints"),
     ],
 )
 def test_bad_requests_raise(target, prompt, kwargs, error, match):

@@ -157,6 +157,8 @@ class Engine:
         self.block_size = config.block_size
         self.taps = [i + 1 for i in config.target_layer_ids]  # +1: hidden_states[0] is the embedding output
         self.drafter_device = drafter.fc.weight.device
+        if self.drafter_device != self.device:  # per-request generators live on one device
+            raise ValueError(f"Put the drafter on the target's device ({self.device}); it is on {self.drafter_device}.")
         self.temperatures = drafter.sts_temperatures.tolist()
         if not config.confidence_head:
             return "fixed"  # no survival estimates: verify the whole block, as build_admission does
@@ -218,14 +220,16 @@ class Engine:
             if input_ids.dim() != 1 or input_ids.is_floating_point():
                 raise ValueError(f"`input_ids` must be a 1-D integer tensor, got {input_ids.dtype} {input_ids.shape}.")
             input_ids = input_ids.tolist()
-        if not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
-            raise TypeError(f"`input_ids` must be a list of ints or a 1-D LongTensor, got {type(input_ids)}.")
+        try:
+            input_ids = [operator.index(t) for t in input_ids]
+        except TypeError:
+            raise TypeError(f"`input_ids` must be a list of ints or a 1-D LongTensor, got {input_ids!r:.80}.") from None
         if not input_ids:
             raise ValueError("`input_ids` is empty: a request needs at least one prompt token.")
         bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"Token ids {bad[:5]} lie outside the target's vocabulary [0, {self.vocab_size}).")
-        return list(input_ids)
+        return input_ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request (thread-safe); it finishes with reason "abort". No-op if unknown or already finished."""
