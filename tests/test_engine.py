@@ -259,6 +259,41 @@ def test_abort_running_and_queued_requests(target):
     assert other.output_ids == plain_output(target, prompts[1], 40)
 
 
+def test_concurrent_adds_while_the_loop_runs(target):
+    prompts = random_prompts([3, 5, 8, 2, 6, 4, 7, 9])
+    engine = make_engine(target, "threshold", max_batch_size=3)
+    engine.start()
+    requests = [None] * len(prompts)
+
+    def add(i):
+        requests[i] = engine.add_request(prompts[i], max_new_tokens=6 + i)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(len(prompts))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        outputs = [request.wait(timeout=60) for request in requests]
+    finally:
+        engine.stop()
+    assert outputs == [plain_output(target, p, 6 + i) for i, p in enumerate(prompts)]
+    assert len({r.request_id for r in requests}) == len(prompts) and not engine.has_unfinished()
+
+
+def test_failed_step_ends_every_request(target, monkeypatch):
+    engine = make_engine(target, "fixed", max_batch_size=1)
+    running, queued = engine.add_request([1, 2, 3]), engine.add_request([4, 5])
+    monkeypatch.setattr(engine, "_verify", lambda block: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert running.finish_reason == queued.finish_reason == "error" and not engine.has_unfinished()
+    with pytest.raises(RuntimeError, match="engine failed"):
+        running.wait(timeout=1)
+    monkeypatch.undo()
+    assert engine.generate([[1, 2, 3]], max_new_tokens=4) == [plain_output(target, [1, 2, 3], 4)]  # usable again
+
+
 # -- errors -----------------------------------------------------------------------------------------------------
 
 
