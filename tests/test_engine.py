@@ -5,7 +5,14 @@ import weakref
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from conftest import make_drafter, make_target
 from dspark_hf import Engine
@@ -165,8 +172,16 @@ def test_compaction_keeps_outputs(target, compact_fraction):
     assert (engine.stats["compactions"] > 0) == (compact_fraction < 1.0)
 
 
-def test_qwen3_target():
-    target = make_target(config_cls=Qwen3Config, model_cls=Qwen3ForCausalLM)
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_other_target_families(family):
+    """Qwen3 (QK-norm) and Gemma3 (scaled embeddings, soft-capping, alternating 5-token sliding windows)."""
+    if family == "qwen3":
+        target = make_target(config_cls=Qwen3Config, model_cls=Qwen3ForCausalLM)
+    else:
+        layer_types = ["sliding_attention", "full_attention"] * 2
+        target = make_target(
+            config_cls=Gemma3TextConfig, model_cls=Gemma3ForCausalLM, sliding_window=5, layer_types=layer_types
+        )
     prompts = random_prompts([6, 2, 10])
     for policy in ("plain", "threshold", "scheduler"):
         drafter = make_drafter(target, mask_token_id=None)

@@ -9,8 +9,9 @@ Holes are dropped by `compact()`, which right-aligns every row (holes first, the
 `trim()`, which crops trailing slots that are holes in every row. Right-aligned rows keep sliding-window attention
 exact: the window, counted in slots, then covers exactly the last valid tokens.
 
-Works for any model with a full-attention KV cache (Llama, Qwen, Mistral, Gemma text models); only public
-`DynamicCache` API is used (`update` via the model, `crop`, `batch_select_indices`, iteration, construction).
+Works for attention models whose layers keep keys/values in a `DynamicCache` (Llama, Qwen, Mistral, Gemma text
+models; sliding windows given right-aligned rows); only public `DynamicCache` API is used (`update` via the model,
+`crop`, `batch_select_indices`, iteration, construction from tensors).
 """
 
 import torch

@@ -123,6 +123,7 @@ class Request:
             except queue.Empty:
                 raise TimeoutError(f"Request {self.request_id}: no tokens within {timeout} s.") from None
             if chunk is None:
+                self._chunks.put(None)  # a later stream() ends at once too
                 self._raise_error()
                 return
             yield chunk
