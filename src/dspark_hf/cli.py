@@ -1,4 +1,4 @@
-"""`dspark-hf` command line: `demo`, `bench`, `data`, `train`, `export` (more join as the pipeline grows)."""
+"""`dspark-hf` command line: `demo`, `bench`, `data`, `features`, `train`, `export` and more."""
 
 import argparse
 import sys
@@ -201,23 +201,50 @@ def add_load_bench_args(bench) -> None:
     group.add_argument("--url", default=None, help="drive an already running server (one curve) instead")
 
 
+def _training_target(config):
+    """The target of a training config: `config.target`, or the embedded SmolLM2 when None."""
+    if config.target is None:
+        from .default import load_default_target
+
+        return load_default_target()[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(config.target, dtype=torch.float32)
+
+
 def cmd_train(args) -> int:
     from .training.config import DSparkTrainingConfig
     from .training.trainer import DSparkTrainer
 
     config = DSparkTrainingConfig.from_file(args.config, args.set)
-    if config.target is None:
-        from .default import load_default_target
-
-        target, _ = load_default_target()
-    else:
-        from transformers import AutoModelForCausalLM
-
-        target = AutoModelForCausalLM.from_pretrained(config.target, dtype=torch.float32)
+    target = _training_target(config)
     trainer = DSparkTrainer(config, target)
     drafter = trainer.train(resume=args.resume, stop_after=args.stop_after)
     print(f"step {trainer.step}/{config.max_steps}; checkpoints in {config.output_dir}")
     return 0 if drafter is not None else 1
+
+
+def cmd_features(args) -> int:
+    from .training.config import DSparkTrainingConfig
+    from .training.dataset import TokenDataset
+    from .training.features import build_features, estimate_features
+    from .training.trainer import build_drafter
+
+    config = DSparkTrainingConfig.from_file(args.config, args.set)
+    data, out = args.data or config.data, args.out or config.features
+    if not data or not out:
+        raise SystemExit("features needs a dataset (--data or `data` in the config) and --out (or `features`).")
+    target = _training_target(config).eval()
+    layer_ids = build_drafter(config, target).config.target_layer_ids  # the layers training will read
+    dataset = TokenDataset.load(data)
+    settings = dict(dtype=args.dtype, shard_tokens=args.shard_tokens, batch_size=args.batch_size)
+    if args.dry_run:
+        estimate = estimate_features(target, dataset, layer_ids, sample_batches=args.sample_batches, **settings)
+        print(f"dry run, nothing written; layers {layer_ids}: {estimate.summary()}")
+        return 0
+    build_features(target, dataset, out, layer_ids, **settings)
+    print(f"feature cache of {data} in {out}; train offline with --set features={out}")
+    return 0
 
 
 def cmd_data(args) -> int:
@@ -411,12 +438,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_models(serve)
     serve.set_defaults(func=cmd_serve)
 
-    train = sub.add_parser("train", help="train a DSpark drafter (online target features; accelerate-ready)")
+    train = sub.add_parser("train", help="train a DSpark drafter (online, or offline from a feature cache)")
     train.add_argument("--config", help="training config (JSON or YAML); see DSparkTrainingConfig")
     train.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N more steps")
     train.set_defaults(func=cmd_train)
+
+    features = sub.add_parser("features", help="cache target features for offline training (resumable; --dry-run)")
+    features.add_argument("--config", help="the training config (its target, drafter layers and data are used)")
+    features.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
+    features.add_argument("--data", help="token dataset (.npz); default: the config's `data`")
+    features.add_argument("--out", help="cache folder (rerun to resume); default: the config's `features`")
+    features.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    features.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
+    features.add_argument("--shard-tokens", type=int, default=65_536, help="tokens per shard file")
+    features.add_argument("--sample-batches", type=int, default=3, help="--dry-run: timed target forwards")
+    features.add_argument("--dry-run", action="store_true", help="print the cache size and build time; write nothing")
+    features.set_defaults(func=cmd_features)
 
     data = sub.add_parser("data", help="build a drafter training set: target-regenerated responses + plain text")
     data.add_argument("--out", required=True, help="output folder (rerun with the same arguments to resume)")

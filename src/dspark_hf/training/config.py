@@ -11,7 +11,8 @@ from typing import Any
 class DSparkTrainingConfig:
     """Settings of one training run, grouped by concern.
 
-    Data: `data` (a token dataset written by `dspark-hf data`, `.npz`), `seq_len`, `batch_size`, `num_anchors`.
+    Data: `data` (a token dataset written by `dspark-hf data`, `.npz`), `seq_len`, `batch_size`, `num_anchors`;
+        `features` (offline mode: the target features of `data`, cached by `dspark-hf features`).
     Drafter: `init_drafter` (continue from a trained checkpoint: a curriculum's next stage, fine-tuning),
         `drafter_config` (a hub_configs JSON, optional) or the shape fields `num_hidden_layers`, `block_size`,
         `markov_rank`, `sequential_head`, `confidence_head`.
@@ -23,6 +24,10 @@ class DSparkTrainingConfig:
     """
 
     data: str = field(default="", metadata={"help": "token dataset (.npz) from `dspark-hf data`"})
+    features: str | None = field(
+        default=None,
+        metadata={"help": "offline mode: a feature cache from `dspark-hf features` (training never runs the target)"},
+    )
     heldout: str | None = field(default=None, metadata={"help": "held-out token dataset (.npz) for evaluation"})
     eval_every: int = field(default=100, metadata={"help": "evaluate on held-out data every N steps"})
     eval_batches: int = field(default=4, metadata={"help": "held-out batches per evaluation (fixed, seeded)"})

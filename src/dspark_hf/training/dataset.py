@@ -58,10 +58,24 @@ class TokenDataset:
     def sample_batch(self, batch_size: int, seq_len: int, seed: int):
         """`batch_size` sequences drawn with replacement, a pure function of `seed`: (input_ids, loss_mask), each
         (B, seq_len), and the generator, which continues the same random stream (e.g. for anchor sampling)."""
-        generator = torch.Generator().manual_seed(seed)
-        indices = torch.randint(0, len(self), (batch_size,), generator=generator)
-        ids, mask = self.batch(indices.tolist(), seq_len, generator)
+        indices, offsets, generator = self.sample_windows(batch_size, seq_len, seed)
+        ids, mask = self.batch(indices, seq_len, offsets=offsets)
         return ids, mask, generator
+
+    def sample_windows(self, batch_size: int, seq_len: int, seed: int):
+        """What `sample_batch(batch_size, seq_len, seed)` draws: (indices, window offsets, generator), so that cached
+        per-sequence data (offline target features) can be cut to the same windows."""
+        generator = torch.Generator().manual_seed(seed)
+        indices = torch.randint(0, len(self), (batch_size,), generator=generator).tolist()
+        return indices, self.window_offsets(indices, seq_len, generator), generator
+
+    def window_offsets(self, indices, seq_len: int, generator: torch.Generator | None = None) -> list[int]:
+        """The first position of each sequence's `seq_len` window: random for longer sequences, else 0."""
+        offsets = []
+        for i in indices:
+            n = int(self.offsets[int(i) + 1] - self.offsets[int(i)])
+            offsets.append(int(torch.randint(0, n - seq_len + 1, (1,), generator=generator)) if n > seq_len else 0)
+        return offsets
 
     def seeded_batches(self, num_batches: int, batch_size: int, seq_len: int, first_seed: int):
         """The same `num_batches` batches on every call (held-out evaluation, calibration): `sample_batch` with
@@ -69,16 +83,16 @@ class TokenDataset:
         for b in range(num_batches):
             yield self.sample_batch(batch_size, seq_len, first_seed + b)
 
-    def batch(self, indices, seq_len: int, generator: torch.Generator | None = None):
+    def batch(self, indices, seq_len: int, generator: torch.Generator | None = None, offsets=None):
         """(input_ids, loss_mask), each (B, seq_len). Long sequences are cropped to a random window (so long
-        responses are trained to the end); short ones are right-padded (padding is outside the loss mask)."""
+        responses are trained to the end; `offsets` fixes the windows); short ones are right-padded (padding is
+        outside the loss mask)."""
         ids = torch.zeros(len(indices), seq_len, dtype=torch.long)
         mask = torch.zeros(len(indices), seq_len, dtype=torch.bool)
-        for row, i in enumerate(indices):
+        if offsets is None:
+            offsets = self.window_offsets(indices, seq_len, generator)
+        for row, (i, offset) in enumerate(zip(indices, offsets)):
             seq, start = self.sequence(int(i))
-            offset = 0
-            if len(seq) > seq_len:
-                offset = int(torch.randint(0, len(seq) - seq_len + 1, (1,), generator=generator))
             piece = seq[offset : offset + seq_len]
             ids[row, : len(piece)] = torch.from_numpy(piece)
             mask[row, max(start - offset, 0) : len(piece)] = True

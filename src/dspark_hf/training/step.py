@@ -71,16 +71,20 @@ class BlockPredictions:
 
 
 def block_predictions(
-    drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None
+    drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None, features=None
 ) -> BlockPredictions:
     """Sample blocks, run the target (features, p_t) and the drafter (p_d with the bias, confidence) on them.
 
-    vocab_ids (V',) sorted, or None for the full vocabulary (see `vocab_shortlist`).
+    vocab_ids (V',) sorted, or None for the full vocabulary (see `vocab_shortlist`). features: offline mode, the
+    precomputed `target_features` of `input_ids` ((B, L, m·d), (B, L, d), e.g. from a `FeatureCache`); the target's
+    forward is then not run (its embedding and LM head still are).
     """
     module = getattr(drafter, "module", drafter)  # unwrap DistributedDataParallel for the head methods
     config = module.config
     blocks = make_blocks(input_ids, loss_mask, config.block_size, num_anchors, generator)
-    features, last_hidden = target_features(target, input_ids, config.target_layer_ids)
+    if features is None:
+        features = target_features(target, input_ids, config.target_layer_ids)
+    features, last_hidden = features
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
     hidden = drafter_block_hidden(drafter, features, input_ids, blocks, embed)
     draft_logits = module.block_logits(hidden, blocks.prev_ids, lm_head, vocab_ids)  # (B, N, γ, V)
@@ -99,8 +103,10 @@ def block_predictions(
 
 
 def training_loss(
-    drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None, **loss_kwargs
+    drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None, features=None,
+    **loss_kwargs,
 ):
-    """DSpark loss of one batch. input_ids, loss_mask (B, L). Returns a `DSparkLossOutput`."""
-    p = block_predictions(drafter, target, input_ids, loss_mask, num_anchors, generator, vocab_ids)
+    """DSpark loss of one batch. input_ids, loss_mask (B, L); features as in `block_predictions`. Returns a
+    `DSparkLossOutput`."""
+    p = block_predictions(drafter, target, input_ids, loss_mask, num_anchors, generator, vocab_ids, features)
     return dspark_loss(p.draft_logits, p.target_logits, p.labels, p.blocks.valid, p.confidence_logits, **loss_kwargs)

@@ -1,6 +1,8 @@
 """The training loop: forward -> loss -> backward -> clip -> step -> schedule -> log -> checkpoint, on accelerate.
 
-Online: the target stays resident and computes features on the fly, so no multi-TB feature cache is needed. One CPU
+Online: the target stays resident and computes features on the fly, so no multi-TB feature cache is needed.
+Offline (`features` set): training steps read the same windows' features from a `FeatureCache` and never run the
+target's forward (its embedding and LM head are still used; held-out evaluation stays online). One CPU
 process or `accelerate launch` with several. Checkpoints are atomic (a finished folder is renamed into place, then
 the `latest` pointer is replaced); `resume=True` continues from the newest one with the same batches it would
 have seen, because batch sampling is seeded by (seed, step, rank).
@@ -21,6 +23,7 @@ from ..configuration_dspark import DSparkConfig
 from ..modeling_dspark import DSparkDraftModel
 from .config import DSparkTrainingConfig
 from .dataset import TokenDataset
+from .features import FeatureCache
 from .step import freeze, training_loss, vocab_shortlist
 
 
@@ -91,6 +94,9 @@ class DSparkTrainer:
         self.dataset = dataset if dataset is not None else TokenDataset.load(config.data)
         self.target = freeze(target).to(self.accelerator.device)
         drafter = drafter if drafter is not None else build_drafter(config, target, tokenizer)
+        self.features = None  # offline mode: the cached target features of `self.dataset`
+        if config.features:
+            self.features = FeatureCache.open(config.features, self.dataset, target, drafter.config.target_layer_ids)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         warmup = max(1, int(config.warmup_ratio * config.max_steps))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, config.max_steps))
@@ -151,14 +157,25 @@ class DSparkTrainer:
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
+    def _batch_seed(self, step: int) -> int:
+        return self.config.seed * 1_000_003 + step * 131 + self.accelerator.process_index
+
     def batch_for(self, step: int):
         """The batch of `step` on this rank: a pure function of (seed, step, rank), so resuming replays nothing."""
-        cfg, rank = self.config, self.accelerator.process_index
-        seed = cfg.seed * 1_000_003 + step * 131 + rank
-        ids, mask, gen = self.dataset.sample_batch(cfg.batch_size, cfg.seq_len, seed)
+        cfg = self.config
+        ids, mask, gen = self.dataset.sample_batch(cfg.batch_size, cfg.seq_len, self._batch_seed(step))
         return ids.to(self.accelerator.device), mask.to(self.accelerator.device), gen
 
-    def _loss(self, drafter, ids, mask, gen, vocab_ids=None):
+    def features_for(self, step: int):
+        """Offline mode: the cached target features of `batch_for(step)`'s windows, ((B, L, m·d), (B, L, d));
+        None online."""
+        if self.features is None:
+            return None
+        cfg = self.config
+        indices, offsets, _ = self.dataset.sample_windows(cfg.batch_size, cfg.seq_len, self._batch_seed(step))
+        return self.features.window(indices, offsets, cfg.seq_len, device=self.accelerator.device)
+
+    def _loss(self, drafter, ids, mask, gen, vocab_ids=None, features=None):
         cfg = self.config
         return training_loss(
             drafter,
@@ -168,6 +185,7 @@ class DSparkTrainer:
             cfg.num_anchors,
             gen,
             vocab_ids,
+            features,
             decay=cfg.loss_decay,
             alpha_ce=cfg.alpha_ce,
             alpha_tv=cfg.alpha_tv,
@@ -208,8 +226,10 @@ class DSparkTrainer:
     def train_step(self) -> dict:
         cfg = self.config
         ids, mask, gen = self.batch_for(self.step)
+        features = self.features_for(self.step)
         with self.accelerator.autocast():
-            out = self._loss(self.drafter, ids, mask, gen, self.vocab_ids)  # held-out evaluation: full vocabulary
+            # held-out evaluation: full vocabulary
+            out = self._loss(self.drafter, ids, mask, gen, self.vocab_ids, features)
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(out.loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
