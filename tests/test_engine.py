@@ -411,7 +411,8 @@ def test_sampling_matches_target_distribution(policy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "policy, sps", [("plain", None), ("fixed", None), ("threshold", None), ("scheduler", FLAT_SPS), ("scheduler", "load")]
+    "policy, sps",
+    [("plain", None), ("fixed", None), ("threshold", None), ("scheduler", FLAT_SPS), ("scheduler", "load")],
 )
 def test_sampling_matches_target_distribution_many_samples(policy, sps):
     from test_sampling import chi_square_rejects
@@ -442,15 +443,17 @@ def test_negative_control_accepting_every_draft_is_detected(monkeypatch):
 
 
 def test_seeded_sampling_is_reproducible(target):
-    prompts = random_prompts([4, 6])
+    """A seed fixes a request's output, alone or in a batch (its draws depend only on its own state under the
+    fixed and threshold policies; Algorithm 1 would let the batch change ℓ_r and with it the random stream)."""
+    prompts = random_prompts([4, 6, 3])
     runs = []
-    for _ in range(2):
+    for batch in (prompts, prompts[:1], prompts):
         engine = make_engine(target, "fixed")
-        requests = [engine.add_request(p, max_new_tokens=12, do_sample=True, seed=7) for p in prompts]
+        requests = [engine.add_request(p, max_new_tokens=12, do_sample=True, seed=7 + i) for i, p in enumerate(batch)]
         while engine.has_unfinished():
             engine.step()
         runs.append([r.output_ids for r in requests])
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[2] and runs[1][0] == runs[0][0]
 
 
 # -- the ragged cache ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from .acceptance import accept_greedy, accept_speculative_sampling
 from .configuration_dspark import VERIFY_POLICIES
 from .generation import is_dspark_drafter
 from .ragged_cache import RaggedCache
-from .request import Request
+from .request import Request, check_sampling_settings, prompt_token_ids
 from .scheduler import SPS, _sps_lookup, prefix_schedule
 
 
@@ -158,7 +158,7 @@ class Engine:
         self.taps = [i + 1 for i in config.target_layer_ids]  # +1: hidden_states[0] is the embedding output
         self.drafter_device = drafter.fc.weight.device
         if self.drafter_device != self.device:  # per-request generators live on one device
-            raise ValueError(f"Put the drafter on the target's device ({self.device}); it is on {self.drafter_device}.")
+            raise ValueError(f"Put the drafter on the target's device {self.device}; it is on {self.drafter_device}.")
         self.temperatures = drafter.sts_temperatures.tolist()
         if not config.confidence_head:
             return "fixed"  # no survival estimates: verify the whole block, as build_admission does
@@ -187,10 +187,12 @@ class Engine:
         """Queue a request (thread-safe). `input_ids`: list[int] or 1-D LongTensor (a string with a tokenizer).
 
         `eos_token_id` None takes the target's `generation_config.eos_token_id`; `seed` seeds the request's own
-        generator (None: drawn from torch's global RNG). Returns the `Request` to stream or wait on.
+        generator (None: drawn from torch's global RNG). Under the fixed and threshold policies a seeded request's
+        output does not depend on what else is in the batch (Algorithm 1 lets the batch change ℓ_r, and with it
+        the random stream; the distribution stays exact either way). Returns the `Request` to stream or wait on.
         """
-        prompt = self._prompt_ids(input_ids)
-        _check_sampling(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
+        prompt = prompt_token_ids(input_ids, self.vocab_size, self.tokenizer)
+        check_sampling_settings(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
         eos = self.target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if not all(isinstance(t, int) for t in eos):
@@ -210,26 +212,6 @@ class Engine:
             self._waiting.append(request)
             self._wakeup.notify_all()
         return request
-
-    def _prompt_ids(self, input_ids) -> list[int]:
-        if isinstance(input_ids, str):
-            if self.tokenizer is None:
-                raise TypeError("A string prompt needs `tokenizer=` at Engine construction; or pass token ids.")
-            input_ids = self.tokenizer.encode(input_ids)
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() != 1 or input_ids.is_floating_point():
-                raise ValueError(f"`input_ids` must be a 1-D integer tensor, got {input_ids.dtype} {input_ids.shape}.")
-            input_ids = input_ids.tolist()
-        try:
-            input_ids = [operator.index(t) for t in input_ids]
-        except TypeError:
-            raise TypeError(f"`input_ids` must be a list of ints or a 1-D LongTensor, got {input_ids!r:.80}.") from None
-        if not input_ids:
-            raise ValueError("`input_ids` is empty: a request needs at least one prompt token.")
-        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"Token ids {bad[:5]} lie outside the target's vocabulary [0, {self.vocab_size}).")
-        return input_ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request (thread-safe); it finishes with reason "abort". No-op if unknown or already finished."""
@@ -613,19 +595,6 @@ class Engine:
             verify_policy=self.policy,
         )
         return c
-
-
-def _check_sampling(max_new_tokens, do_sample, temperature, top_p, top_k, seed) -> None:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"`max_new_tokens` must be an int >= 1, got {max_new_tokens!r}.")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature} (greedy: do_sample=False).")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"`top_p` must lie in (0, 1], got {top_p}.")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"`top_k` must be an int >= 0 (0 disables it), got {top_k!r}.")
-    if seed is not None and not isinstance(seed, int):
-        raise TypeError(f"`seed` must be an int or None, got {type(seed).__name__}.")
 
 
 def _covering_sps(sps: SPS, max_tokens: int) -> SPS:

@@ -1,5 +1,6 @@
 """`Request`: one generation request inside the batched `Engine`, with its sampling settings and its output stream."""
 
+import operator
 import queue
 import threading
 from collections.abc import Iterator
@@ -144,4 +145,40 @@ class Request:
         return f"Request({self.request_id!r}, prompt={len(self.prompt_ids)}, new={len(self.output_ids)}, {state})"
 
 
-__all__ = ["Request"]
+def prompt_token_ids(input_ids, vocab_size: int, tokenizer=None) -> list[int]:
+    """A prompt as token ids: list[int] (any integer-like items) or a 1-D integer tensor; a string with a tokenizer."""
+    if isinstance(input_ids, str):
+        if tokenizer is None:
+            raise TypeError("A string prompt needs `tokenizer=` at Engine construction; or pass token ids.")
+        input_ids = tokenizer.encode(input_ids)
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 1 or input_ids.is_floating_point():
+            raise ValueError(f"`input_ids` must be a 1-D integer tensor, got {input_ids.dtype} {input_ids.shape}.")
+        input_ids = input_ids.tolist()
+    try:
+        input_ids = [operator.index(t) for t in input_ids]
+    except TypeError:
+        raise TypeError(f"`input_ids` must be a list of ints or a 1-D LongTensor, got {input_ids!r:.80}") from None
+    if not input_ids:
+        raise ValueError("`input_ids` is empty: a request needs at least one prompt token.")
+    bad = [t for t in input_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"Token ids {bad[:5]} lie outside the target's vocabulary [0, {vocab_size}).")
+    return input_ids
+
+
+def check_sampling_settings(max_new_tokens, do_sample, temperature, top_p, top_k, seed) -> None:
+    """ValueError/TypeError naming the first bad setting of a request."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be an int >= 1, got {max_new_tokens!r}.")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature} (greedy: do_sample=False).")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"`top_p` must lie in (0, 1], got {top_p}.")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"`top_k` must be an int >= 0 (0 disables it), got {top_k!r}.")
+    if seed is not None and not isinstance(seed, int):
+        raise TypeError(f"`seed` must be an int or None, got {type(seed).__name__}.")
+
+
+__all__ = ["Request", "check_sampling_settings", "prompt_token_ids"]
