@@ -1,8 +1,8 @@
 """Sampling with a DSpark drafter has exactly the target's distribution (seeded statistical tests, tiny vocabulary).
 
 The exact joint distribution of the first three generated tokens is computed from the target under the same
-warpers; DSpark-assisted samples (random drafter with a non-zero Markov bias, confidence truncation on) are
-compared with it by a chi-square test. A negative control shows the test rejects a drafter that reports the
+warpers; assisted samples (a random DSpark drafter with a non-zero Markov bias and confidence truncation on, and a
+random EAGLE-3 drafter) are compared with it by a chi-square test. A negative control shows the test rejects a drafter that reports the
 unbiased logits instead of the ones its tokens were drawn from.
 """
 
@@ -15,6 +15,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import make_drafter, make_target
+from test_eagle3 import make_eagle
 
 
 VOCAB, N_TOKENS = 4, 3
@@ -72,14 +73,16 @@ def draw(target, drafter, n, **sampling) -> list[tuple]:
     return samples
 
 
-def setup_models():
+def setup_models(kind="dspark"):
     target = make_target(vocab_size=VOCAB, seed=3)
+    if kind == "eagle3":
+        return target, make_eagle(target, block_size=3)
     drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="threshold", confidence_threshold=0.3)
     return target, drafter
 
 
-def run_check(n, temperature=1.0, top_k=None, top_p=None):
-    target, drafter = setup_models()
+def run_check(n, temperature=1.0, top_k=None, top_p=None, kind="dspark"):
+    target, drafter = setup_models(kind)
     probs = exact_joint(target, warpers(temperature, top_k, top_p))
     torch.manual_seed(1234)
     sampling = {"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0}
@@ -87,10 +90,11 @@ def run_check(n, temperature=1.0, top_k=None, top_p=None):
     return chi_square_rejects(samples, probs), drafter
 
 
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)])
-def test_sampling_matches_target_distribution(sampling):
-    (rejects, stat, critical), drafter = run_check(1500, **sampling)
-    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: DSpark sampling differs from the target's distribution"
+def test_sampling_matches_target_distribution(sampling, kind):
+    (rejects, stat, critical), drafter = run_check(1500, kind=kind, **sampling)
+    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: {kind} sampling differs from the target's distribution"
 
 
 @pytest.mark.slow

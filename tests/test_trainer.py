@@ -134,6 +134,26 @@ def test_a_drafter_config_file_is_a_valid_training_config(tmp_path):
     trainer.train()
 
 
+def test_shape_settings_override_a_drafter_config_file(tmp_path):
+    """`--config hub_configs/X.json --set num_hidden_layers=1 sequential_head=none` trains that shape, not the file's."""
+    from conftest import make_drafter
+    from dspark_hf.training.trainer import build_drafter
+
+    target = make_target()
+    make_drafter(target, block_size=3, num_hidden_layers=2).config.to_json_file(tmp_path / "drafter.json")
+    cfg = DSparkTrainingConfig.from_file(
+        tmp_path / "drafter.json", ["num_hidden_layers=1", "block_size=4", "sequential_head=none"]
+    )
+    drafter = build_drafter(cfg, target)
+    assert (drafter.config.num_hidden_layers, drafter.config.block_size) == (1, 4)
+    assert drafter.config.sequential_head == "none" and not drafter.config.confidence_with_markov
+    assert len(drafter.config.sts_temperatures) == 4 and len(drafter.layers) == 1
+    unchanged = build_drafter(DSparkTrainingConfig.from_file(tmp_path / "drafter.json"), target)
+    assert (unchanged.config.num_hidden_layers, unchanged.config.block_size) == (2, 3)
+    with pytest.raises(ValueError, match="drafter_kind"):
+        build_drafter(DSparkTrainingConfig.from_file(tmp_path / "drafter.json", ["drafter_kind=eagle3"]), target)
+
+
 def test_two_cpu_processes_stay_in_sync(tmp_path):
     """`accelerate launch` with 2 CPU processes (gloo): different batches per rank, identical weights after steps."""
     import os

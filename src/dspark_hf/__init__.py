@@ -5,9 +5,11 @@ target.generate(**inputs, assistant_model=drafter)   # routed to DSpark, lossles
 """
 
 from .configuration_dspark import DSparkConfig
+from .configuration_eagle3 import Eagle3Config
 from .engine import Engine, Request
 from .generation import disable, enable, generate
 from .modeling_dspark import DSparkDraftModel, DSparkPreTrainedModel
+from .modeling_eagle3 import Eagle3DraftModel
 from .registration import register
 from .scheduler import prefix_schedule
 from .stats import DSparkGenerationStats
@@ -30,6 +32,8 @@ __all__ = [
     "DSparkDraftModel",
     "DSparkGenerationStats",
     "DSparkPreTrainedModel",
+    "Eagle3Config",
+    "Eagle3DraftModel",
     "Engine",
     "Request",
     "disable",

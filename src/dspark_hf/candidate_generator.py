@@ -1,5 +1,8 @@
 """`DSparkCandidateGenerator`: the adapter between transformers' assisted-decoding loop and a DSpark drafter.
 
+`DrafterCandidateGenerator` is what every drafter of this package shares with it (target taps, the drafter's
+context bookkeeping, stop strings, statistics); a subclass implements `draft` (EAGLE-3: `Eagle3CandidateGenerator`).
+
 Each round of `generate()` (batch size 1):
   draft    append the target features of the tokens committed last round to the drafter's context cache, run
            one parallel block pass, crop the block's own K/V again;
@@ -9,7 +12,7 @@ Each round of `generate()` (batch size 1):
            so greedy output is token-identical and sampling is exact rejection sampling.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -22,11 +25,15 @@ from .scheduler import build_admission
 from .stats import DSparkGenerationStats
 
 
-class DSparkCandidateGenerator(CandidateGenerator):
-    """Drafts with a DSpark drafter from the target's own hidden states.
+if TYPE_CHECKING:  # custom_generate/ ships this module without the modeling code
+    from .modeling_dspark import DSparkBlockDraft
+
+
+class DrafterCandidateGenerator(CandidateGenerator):
+    """Drafts from the target's own hidden states with one of this package's drafters; subclasses implement `draft`.
 
     Args:
-        drafter: a model with `config.model_type == "dspark"` (a `DSparkDraftModel`, or its remote-code twin).
+        drafter: a `DrafterMixin` model (or its remote-code twin) whose config is a `DrafterConfig`.
         target: the model running `generate()`; its embedding and LM head are borrowed by the drafter.
         generation_config: the call's `GenerationConfig` (`do_sample`, `max_length`, EOS ids).
         logits_processor: the call's processors and warpers; draft logits go through the same ones.
@@ -39,8 +46,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         config.check_target(target.config, tokenizer)
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ValueError(
-                f"DSpark in generate() drafts for one sequence at a time, got a batch of {input_ids.shape[0]}. "
-                "Call generate() per prompt (pipelines do this with batch_size=1)."
+                f"{type(drafter).__name__} in generate() drafts for one sequence at a time, got a batch of "
+                f"{input_ids.shape[0]}. Call generate() per prompt (pipelines do this with batch_size=1)."
             )
         self.drafter, self.config = drafter, config
         self.embed_tokens = target.get_input_embeddings()
@@ -62,13 +69,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = {
             "output_hidden_states": True if generation_config.output_hidden_states else taps
         }
-        sps = getattr(drafter, "sps_profile", None)
-        if config.verify_policy == "scheduler" and config.confidence_head:
-            # the checkpoint's sps_profile.json if it fits this target and hardware, else a quick profile
-            sps = sps_for(drafter, target)
-        self.admit = build_admission(config, sps)
-        self.cache = DynamicCache()
-        self.context_len = 0  # target positions whose features are in the drafter cache
+        self.cache = DynamicCache()  # the drafter's cache of context entries
+        self.context_len = 0  # target positions whose features the drafter has consumed
         self.pending = None  # (sequence length, drafts proposed, survivals examined); None for the prefill
         self.stats = DSparkGenerationStats(block_size=config.block_size)
         drafter.generation_stats = self.stats
@@ -108,27 +110,29 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.stats.num_prompt_tokens = cur_len
             return input_ids, None
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
-            raise ValueError("The target returned no hidden states; DSpark needs `output_hidden_states` support.")
+            raise ValueError("The target returned no hidden states; the drafter needs `output_hidden_states` support.")
 
-        # draft: one parallel pass over [anchor, mask, ...] with the new context appended to the cache
-        context = self._new_context(input_ids, model_outputs, n_last_matches)
-        anchor = input_ids[:, -1:]
-        hidden = self._draft_block(anchor, context, model_kwargs)
-
-        # schedule: sample token by token, stopping where verification stops paying
         budget = min(self.config.block_size, self.max_length - cur_len - 1)
-        if budget <= 0:
+        if budget <= 0:  # the round's bonus token ends generation: nothing to draft
             self.pending = (cur_len, 0, [])
             return input_ids, None
-        draft = self.drafter.sample_block(
-            hidden, input_ids, self.lm_head, self.logits_processor, self.do_sample, max_tokens=budget, admit=self.admit
-        )
+        context = self._new_context(input_ids, model_outputs, n_last_matches)
+        draft = self.draft(input_ids, context, model_kwargs, budget)
+        self.context_len = cur_len - 1
         candidate_ids = torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=-1)
         n = self._before_stop_string(candidate_ids, cur_len)
         self.pending = (cur_len, n, draft.survival)
         if n == 0:
             return input_ids, None
         return candidate_ids[:, : cur_len + n], draft.logits[:, :n].float()
+
+    def draft(self, input_ids, context, model_kwargs, budget: int) -> "DSparkBlockDraft":
+        """Append `context` to the drafter's cache and draft at most `budget` (>= 1) tokens after `input_ids`.
+
+        input_ids (1, L); context (1, n_new, m·d): target features of positions `context_len .. L - 2`. Returns the
+        tokens (1, n), the processed logits (1, n, V) they were drawn from and the survivals examined.
+        """
+        raise NotImplementedError
 
     def _before_stop_string(self, candidate_ids, cur_len) -> int:
         """Number of drafts to keep so that no *draft* completes a stop string.
@@ -146,6 +150,44 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 return j - 1
         return n
 
+    def _key_padding(self, model_kwargs, n: int) -> torch.Tensor | None:
+        """(1, n) boolean, False at padded prompt positions among the first n (left padding); None if none is."""
+        mask = (model_kwargs or {}).get("attention_mask")
+        if mask is None or bool(mask[:, :n].all()):
+            return None
+        return mask[:, :n].bool()
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        """Bookkeeping after the target's verify pass: acceptance statistics."""
+        self.stats.num_new_tokens = input_ids.shape[1] - self.stats.num_prompt_tokens
+        if self.pending is None:
+            return  # the prefill: not a verify step
+        proposed = self.pending[1]
+        stopped = input_ids.shape[1] >= self.max_length or int(input_ids[0, -1]) in self.eos_ids
+        self.stats.record_step(proposed, int(num_matches), stopped=stopped, survival=self.pending[2])
+
+
+class DSparkCandidateGenerator(DrafterCandidateGenerator):
+    """Drafts with a DSpark drafter (`config.model_type == "dspark"`): one parallel block pass, then token-by-token
+    sampling through the sequential head under the admission policy (confidence threshold or Algorithm 1)."""
+
+    def __init__(self, drafter, target, generation_config, logits_processor=None, input_ids=None, tokenizer=None):
+        super().__init__(drafter, target, generation_config, logits_processor, input_ids, tokenizer)
+        config = self.config
+        sps = getattr(drafter, "sps_profile", None)
+        if config.verify_policy == "scheduler" and config.confidence_head:
+            # the checkpoint's sps_profile.json if it fits this target and hardware, else a quick profile
+            sps = sps_for(drafter, target)
+        self.admit = build_admission(config, sps)
+
+    def draft(self, input_ids, context, model_kwargs, budget: int) -> "DSparkBlockDraft":
+        # one parallel pass over [anchor, mask, ...] with the new context appended to the cache
+        hidden = self._draft_block(input_ids[:, -1:], context, model_kwargs)
+        # schedule: sample token by token, stopping where verification stops paying
+        return self.drafter.sample_block(
+            hidden, input_ids, self.lm_head, self.logits_processor, self.do_sample, max_tokens=budget, admit=self.admit
+        )
+
     def _draft_block(self, anchor, context, model_kwargs) -> torch.Tensor:
         """Backbone pass; returns h (1, γ, d). The cache keeps the context and drops the block's own K/V."""
         drafter, gamma = self.drafter, self.config.block_size
@@ -162,26 +204,16 @@ class DSparkCandidateGenerator(CandidateGenerator):
             attention_mask=mask,
             cache=self.cache,
         )
-        self.context_len = start + n_ctx
         self.cache.crop(-gamma)
         return out.last_hidden_state
 
     def _padding_mask(self, model_kwargs, n_context, gamma, device):
         """A key mask that hides padded prompt positions (left padding); None when nothing is padded."""
-        mask = (model_kwargs or {}).get("attention_mask")
-        if mask is None or bool(mask[:, :n_context].all()):
+        keys = self._key_padding(model_kwargs, n_context)
+        if keys is None:
             return None
-        keys = torch.cat([mask[:, :n_context].bool(), mask.new_ones(1, gamma).bool()], dim=-1).to(device)
+        keys = torch.cat([keys, keys.new_ones(1, gamma)], dim=-1).to(device)
         return keys[:, None, None, :].expand(1, 1, gamma, -1)  # (1, 1, γ, K) boolean, True = visible
 
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        """Bookkeeping after the target's verify pass: acceptance statistics."""
-        self.stats.num_new_tokens = input_ids.shape[1] - self.stats.num_prompt_tokens
-        if self.pending is None:
-            return  # the prefill: not a verify step
-        proposed = self.pending[1]
-        stopped = input_ids.shape[1] >= self.max_length or int(input_ids[0, -1]) in self.eos_ids
-        self.stats.record_step(proposed, int(num_matches), stopped=stopped, survival=self.pending[2])
 
-
-__all__ = ["DSparkCandidateGenerator"]
+__all__ = ["DSparkCandidateGenerator", "DrafterCandidateGenerator"]

@@ -7,6 +7,8 @@ each draft token's survival probability. See `docs` in the repository and the DS
 
 The config records a *fingerprint* of the target it was made for (model type, width, depth, vocabulary, special
 tokens) so that pairing a drafter with the wrong target fails loudly instead of producing garbage drafts.
+`DrafterConfig` holds what every drafter of this package shares (fingerprint, backbone shapes, tapped target layers,
+block size, `for_target` / `check_target`); `DSparkConfig` adds the DSpark fields, `Eagle3Config` the EAGLE-3 ones.
 """
 
 import hashlib
@@ -94,9 +96,10 @@ def snapshot_revision(name_or_path: str | None) -> str | None:
 
 
 @strict
-class DSparkConfig(PreTrainedConfig):
+class DrafterConfig(PreTrainedConfig):
     r"""
-    Configuration for [`DSparkDraftModel`].
+    What every drafter of this package shares: a target fingerprint, Llama-style backbone shapes, the tapped target
+    layers and the block size. Subclasses set `model_type`, add their own fields and extend `validate_architecture`.
 
     Target fingerprint (copied from the target's config; checked when the drafter is paired with a target):
         target_model_type (`str`): `model_type` of the target (e.g. `"llama"`, `"qwen3"`).
@@ -113,30 +116,17 @@ class DSparkConfig(PreTrainedConfig):
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim, hidden_act, rms_norm_eps,
         rope_parameters, max_position_embeddings, attention_bias, mlp_bias, attention_dropout: as in `LlamaConfig`.
         use_qk_norm (`bool`): per-head RMSNorm on queries and keys (Qwen3 / Gemma families).
-        final_logit_softcapping (`float`, *optional*): tanh soft-capping of the base logits (Gemma families),
-            applied before the sequential-head bias.
+        final_logit_softcapping (`float`, *optional*): tanh soft-capping of the base logits (Gemma families).
 
-    DSpark:
+    Drafting:
         target_layer_ids (`list[int]`): target decoder layers whose raw outputs are fused into the context.
-            Default: up to 5 layers spread from 1 to L-3. The final layer is rejected (its HF hidden state is normed).
-        block_size (`int`): γ. The anchor slot predicts the first draft token, so γ input slots give γ draft
-            tokens and the target verifies γ + 1 positions.
-        mask_token_id (`int`, *optional*): vocabulary token used for the γ-1 mask slots; `None` learns a mask
-            embedding instead.
-        sequential_head (`str`): `"markov"` (low-rank bias `W1[x_{k-1}] W2`), `"gated_markov"`, `"rnn"`, or `"none"`
-            (the DFlash baseline).
-        markov_rank (`int`): rank r of the sequential head.
-        confidence_head (`bool`): whether the drafter predicts per-position acceptance.
-        confidence_with_markov (`bool`): feed `W1[x_{k-1}]` to the confidence head next to `h_k`.
-        sts_temperatures (`list[float]`): per-position Sequential Temperature Scaling temperatures (default 1.0).
-        verify_policy (`str`): how many drafts to verify each round inside `generate()`: `"threshold"` (stop at
-            the first position whose calibrated cumulative survival falls below `confidence_threshold`), `"fixed"`
-            (always the whole block) or `"scheduler"` (Algorithm 1 with a profiled cost curve).
-        confidence_threshold (`float`): survival threshold of the `"threshold"` policy.
+            Default: up to `default_num_target_features` layers spread from 1 to L-3. The final layer is rejected
+            (its HF hidden state is normed).
+        block_size (`int`): γ, draft tokens per round; the target verifies γ + 1 positions.
     """
 
-    model_type = "dspark"
     keys_to_ignore_at_inference = ["cache"]
+    default_num_target_features = 5  # class attribute, not a field
 
     # target fingerprint
     target_model_type: str = "llama"
@@ -169,17 +159,9 @@ class DSparkConfig(PreTrainedConfig):
     initializer_range: float | int = 0.02
     tie_word_embeddings: bool = False
 
-    # DSpark
+    # drafting
     target_layer_ids: list[int] | None = None
     block_size: int = 7
-    mask_token_id: int | None = None
-    sequential_head: str = "markov"
-    markov_rank: int = 256
-    confidence_head: bool = True
-    confidence_with_markov: bool = True
-    sts_temperatures: list[float | int] | None = None
-    verify_policy: str = "threshold"
-    confidence_threshold: float | int = 0.1
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -189,42 +171,18 @@ class DSparkConfig(PreTrainedConfig):
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         if self.target_layer_ids is None:
-            self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.default_num_target_features)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.sts_temperatures is None:
-            self.sts_temperatures = [1.0] * self.block_size
-        self.sts_temperatures = [float(t) for t in self.sts_temperatures]
         # Checked here, not only by @strict's validators, so that users get a plain ValueError.
         self.validate_architecture()
         super().__post_init__(**kwargs)
 
-    @property
-    def layer_types(self) -> list[str]:
-        # diff with Llama: every draft layer is full, non-causal attention over context + block
-        return ["full_attention"] * self.num_hidden_layers
-
     def validate_architecture(self):
-        """Checks every DSpark field and raises `ValueError` naming the bad value and the fix."""
+        """Checks the shared fields and raises `ValueError` naming the bad value and the fix."""
         if self.block_size < 1:
             raise ValueError(f"`block_size` must be >= 1 (γ draft tokens per round), got {self.block_size}.")
         if self.num_hidden_layers < 1:
             raise ValueError(f"`num_hidden_layers` must be >= 1, got {self.num_hidden_layers}.")
-        if self.sequential_head not in SEQUENTIAL_HEADS:
-            raise ValueError(
-                f"Unknown `sequential_head={self.sequential_head!r}`; choose one of {list(SEQUENTIAL_HEADS)} "
-                '("none" is the DFlash baseline).'
-            )
-        if self.verify_policy not in VERIFY_POLICIES:
-            raise ValueError(f"Unknown `verify_policy={self.verify_policy!r}`; choose one of {list(VERIFY_POLICIES)}.")
-        if self.sequential_head != "none" and self.markov_rank < 1:
-            raise ValueError(
-                f"`markov_rank` must be >= 1 with sequential_head={self.sequential_head!r}, got {self.markov_rank}."
-            )
-        if self.confidence_head and self.confidence_with_markov and self.sequential_head == "none":
-            raise ValueError(
-                "`confidence_with_markov=True` needs a sequential head's token embedding, but sequential_head='none'. "
-                "Set confidence_with_markov=False or choose a sequential head."
-            )
         if not self.target_layer_ids:
             raise ValueError("`target_layer_ids` must name at least one target layer.")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers - 1]
@@ -236,30 +194,24 @@ class DSparkConfig(PreTrainedConfig):
             )
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ValueError(f"`target_layer_ids` has duplicates: {self.target_layer_ids}.")
-        if len(self.sts_temperatures) != self.block_size or any(t <= 0 for t in self.sts_temperatures):
-            raise ValueError(
-                f"`sts_temperatures` must hold {self.block_size} positive values (one per block position), "
-                f"got {self.sts_temperatures}."
-            )
-        if not 0.0 <= self.confidence_threshold <= 1.0:
-            raise ValueError(f"`confidence_threshold` must lie in [0, 1], got {self.confidence_threshold}.")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
                 f"({self.num_key_value_heads})."
             )
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"`mask_token_id={self.mask_token_id}` is outside the vocabulary (0..{self.vocab_size - 1}); "
-                "use a valid token id or None for a learned mask embedding."
-            )
 
     @classmethod
-    def for_target(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DSparkConfig":
+    def target_defaults(cls, text_config: PreTrainedConfig) -> dict[str, Any]:
+        """Fields a subclass derives from the target's (text) config beyond the shared ones; see `for_target`."""
+        return {}
+
+    @classmethod
+    def for_target(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DrafterConfig":
         """Builds a valid drafter config for a target (Llama, Qwen2/3, Mistral and Gemma families).
 
         The drafter copies the target's block shapes (width, heads, FFN, activation, RoPE) and fingerprint;
-        `overrides` set any DSpark field, e.g. `num_hidden_layers=2, block_size=7, sequential_head="markov"`.
+        `overrides` set any field of the class, e.g. `num_hidden_layers=2, block_size=7, sequential_head="markov"`
+        for a `DSparkConfig`.
         """
         if not isinstance(target_config, PreTrainedConfig):
             raise TypeError(f"`target_config` must be a transformers PreTrainedConfig, got {type(target_config)}.")
@@ -289,17 +241,12 @@ class DSparkConfig(PreTrainedConfig):
             attention_bias=bool(getattr(text, "attention_bias", False)),
             use_qk_norm=model_type in _QK_NORM_FAMILIES,
             final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
-            # the family's mask token, when the vocabulary has it (tiny test models of the family may not)
-            mask_token_id=mask_id
-            if (mask_id := _KNOWN_MASK_TOKENS.get(model_type)) is not None and mask_id < text.vocab_size
-            else None,
+            **cls.target_defaults(text),
         )
         unknown = set(overrides) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"Unknown DSparkConfig field(s) {sorted(unknown)}.")
+            raise ValueError(f"Unknown {cls.__name__} field(s) {sorted(unknown)}.")
         fields.update(overrides)
-        if "block_size" in overrides and "sts_temperatures" not in overrides:
-            fields["sts_temperatures"] = None
         return cls(**fields)
 
     def record_target(self, target, tokenizer=None, revision: str | None = None) -> None:
@@ -333,17 +280,19 @@ class DSparkConfig(PreTrainedConfig):
                 wrong["tokenizer vocabulary"] = (self.target_tokenizer_hash[:12], vocab_hash[:12])
             elif self.target_chat_template_hash is not None and template_hash != self.target_chat_template_hash:
                 logger.warning_once(
-                    "The tokenizer's chat template differs from the one this DSpark drafter was trained with; "
+                    "The tokenizer's chat template differs from the one this drafter was trained with; "
                     "outputs stay lossless, but acceptance may be lower."
                 )
         if wrong:
             detail = ", ".join(f"{k}: drafter expects {a}, target has {b}" for k, (a, b) in wrong.items())
             raise ValueError(
-                f"This DSpark drafter was made for another target ({detail}). Load the drafter trained for this "
-                "target, or build one with DSparkConfig.for_target(target.config)."
+                f"This {self.model_type} drafter was made for another target ({detail}). Load the drafter trained "
+                f"for this target, or build one with {type(self).__name__}.for_target(target.config)."
             )
         if family is not None:
-            logger.warning_once(f"DSpark drafter made for a {family[0]!r} target is used with a {family[1]!r} target.")
+            logger.warning_once(
+                f"A {self.model_type} drafter made for a {family[0]!r} target is used with a {family[1]!r} target."
+            )
 
     def target_fingerprint(self) -> dict[str, Any]:
         """The target properties this drafter was built for."""
@@ -355,4 +304,88 @@ class DSparkConfig(PreTrainedConfig):
         }
 
 
-__all__ = ["DSparkConfig", "default_target_layer_ids", "tokenizer_hashes"]
+@strict
+class DSparkConfig(DrafterConfig):
+    r"""
+    Configuration for [`DSparkDraftModel`]: the fields of [`DrafterConfig`] plus
+
+    DSpark:
+        block_size (`int`): γ. The anchor slot predicts the first draft token, so γ input slots give γ draft
+            tokens and the target verifies γ + 1 positions.
+        mask_token_id (`int`, *optional*): vocabulary token used for the γ-1 mask slots; `None` learns a mask
+            embedding instead.
+        sequential_head (`str`): `"markov"` (low-rank bias `W1[x_{k-1}] W2`), `"gated_markov"`, `"rnn"`, or `"none"`
+            (the DFlash baseline).
+        markov_rank (`int`): rank r of the sequential head.
+        confidence_head (`bool`): whether the drafter predicts per-position acceptance.
+        confidence_with_markov (`bool`): feed `W1[x_{k-1}]` to the confidence head next to `h_k`.
+        sts_temperatures (`list[float]`): per-position Sequential Temperature Scaling temperatures (default 1.0).
+        verify_policy (`str`): how many drafts to verify each round inside `generate()`: `"threshold"` (stop at
+            the first position whose calibrated cumulative survival falls below `confidence_threshold`), `"fixed"`
+            (always the whole block) or `"scheduler"` (Algorithm 1 with a profiled cost curve).
+        confidence_threshold (`float`): survival threshold of the `"threshold"` policy.
+    """
+
+    model_type = "dspark"
+
+    # DSpark
+    mask_token_id: int | None = None
+    sequential_head: str = "markov"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    sts_temperatures: list[float | int] | None = None
+    verify_policy: str = "threshold"
+    confidence_threshold: float | int = 0.1
+
+    def __post_init__(self, **kwargs):
+        if self.sts_temperatures is None:
+            self.sts_temperatures = [1.0] * self.block_size
+        self.sts_temperatures = [float(t) for t in self.sts_temperatures]
+        super().__post_init__(**kwargs)
+
+    @property
+    def layer_types(self) -> list[str]:
+        # diff with Llama: every draft layer is full, non-causal attention over context + block
+        return ["full_attention"] * self.num_hidden_layers
+
+    def validate_architecture(self):
+        """Checks every DSpark field and raises `ValueError` naming the bad value and the fix."""
+        super().validate_architecture()
+        if self.sequential_head not in SEQUENTIAL_HEADS:
+            raise ValueError(
+                f"Unknown `sequential_head={self.sequential_head!r}`; choose one of {list(SEQUENTIAL_HEADS)} "
+                '("none" is the DFlash baseline).'
+            )
+        if self.verify_policy not in VERIFY_POLICIES:
+            raise ValueError(f"Unknown `verify_policy={self.verify_policy!r}`; choose one of {list(VERIFY_POLICIES)}.")
+        if self.sequential_head != "none" and self.markov_rank < 1:
+            raise ValueError(
+                f"`markov_rank` must be >= 1 with sequential_head={self.sequential_head!r}, got {self.markov_rank}."
+            )
+        if self.confidence_head and self.confidence_with_markov and self.sequential_head == "none":
+            raise ValueError(
+                "`confidence_with_markov=True` needs a sequential head's token embedding, but sequential_head='none'. "
+                "Set confidence_with_markov=False or choose a sequential head."
+            )
+        if len(self.sts_temperatures) != self.block_size or any(t <= 0 for t in self.sts_temperatures):
+            raise ValueError(
+                f"`sts_temperatures` must hold {self.block_size} positive values (one per block position), "
+                f"got {self.sts_temperatures}."
+            )
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"`confidence_threshold` must lie in [0, 1], got {self.confidence_threshold}.")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"`mask_token_id={self.mask_token_id}` is outside the vocabulary (0..{self.vocab_size - 1}); "
+                "use a valid token id or None for a learned mask embedding."
+            )
+
+    @classmethod
+    def target_defaults(cls, text_config: PreTrainedConfig) -> dict[str, Any]:
+        """The family's mask token, when the vocabulary has it (tiny test models of the family may not)."""
+        mask_id = _KNOWN_MASK_TOKENS.get(text_config.model_type)
+        return {"mask_token_id": mask_id if mask_id is not None and mask_id < text_config.vocab_size else None}
+
+
+__all__ = ["DSparkConfig", "DrafterConfig", "default_target_layer_ids", "tokenizer_hashes"]

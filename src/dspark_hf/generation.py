@@ -1,9 +1,10 @@
 """The one module that touches transformers' private generation API.
 
 `generate()` picks its candidate generator in `GenerationMixin._get_candidate_generator`, a closed if/elif chain
-with no registry. We wrap it once, narrowly: when the assistant's `config.model_type == "dspark"` (duck-typed, so a
-drafter loaded with `trust_remote_code` works too) we return a `DSparkCandidateGenerator`; everything else goes to
-the original. `enable(model)` / `disable(model)` do the same for one object only, and `generate` is a
+with no registry. We wrap it once, narrowly: when the assistant's `config.model_type` is one of this package's
+drafters ("dspark" -> `DSparkCandidateGenerator`, "dspark_eagle3" -> `Eagle3CandidateGenerator`, see
+`candidate_generator_class`; duck-typed, so a drafter loaded with `trust_remote_code` works too) we return its
+candidate generator; everything else goes to the original. `enable(model)` / `disable(model)` do the same for one object only, and `generate` is a
 `custom_generate` entry point. Each private name used here is listed in `_PRIVATE_API` and checked at import.
 Inside `record_draft_rounds()` every candidate generator the selector returns (DSpark's or transformers' own) also
 logs the wall time and size of each drafting round, for the evaluation harness.
@@ -51,6 +52,23 @@ def is_dspark_drafter(model) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) == "dspark"
 
 
+def candidate_generator_class(model):
+    """The candidate generator class for one of this package's drafters, or None for any other assistant.
+
+    Imported on first use; the imports stay literal so that remote-code checkpoints ship these modules.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type == "dspark":
+        from .candidate_generator import DSparkCandidateGenerator
+
+        return DSparkCandidateGenerator
+    if model_type == "dspark_eagle3":
+        from .eagle3_candidate_generator import Eagle3CandidateGenerator
+
+        return Eagle3CandidateGenerator
+    return None
+
+
 def eos_token_ids(generation_config) -> list[int]:
     """The EOS ids `generate()` stops on (private attribute `_eos_token_tensor`, set during `generate()`)."""
     tensor = getattr(generation_config, "_eos_token_tensor", None)
@@ -69,10 +87,9 @@ def _wrap_selector(original):
         assistant_model=None,
         **kwargs,
     ):
-        if is_dspark_drafter(assistant_model):
-            from .candidate_generator import DSparkCandidateGenerator
-
-            generator = DSparkCandidateGenerator(
+        generator_class = candidate_generator_class(assistant_model)
+        if generator_class is not None:
+            generator = generator_class(
                 assistant_model,
                 self,
                 generation_config,
@@ -161,7 +178,8 @@ def _observe(generator):
 
 
 def install_candidate_generator() -> None:
-    """Route `generate(assistant_model=<dspark drafter>)` to DSpark for every model. Idempotent."""
+    """Route `generate(assistant_model=<drafter of this package>)` to its candidate generator for every model.
+    Idempotent."""
     check_transformers_version()
     current = GenerationMixin._get_candidate_generator
     if not getattr(current, _MARKER, False):
@@ -190,6 +208,7 @@ def generate(model, *args, **kwargs):
 
 __all__ = [
     "DraftRound",
+    "candidate_generator_class",
     "disable",
     "enable",
     "generate",

@@ -8,6 +8,7 @@ trust_remote_code=True)` works for users who do not pip install this package.
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,15 +22,10 @@ logger = logging.get_logger(__name__)
 
 CALIBRATION_FILE = "calibration.json"  # written by `dspark-hf calibrate` beside the checkpoint
 
-# Modules copied into custom_generate/: they import only each other (relatively), torch and transformers.
-CUSTOM_GENERATE_MODULES = (
-    "generation.py",
-    "candidate_generator.py",
-    "scheduler.py",
-    "stats.py",
-    "profiling.py",
-    "utils.py",
-)
+# custom_generate/ ships `generation.py` and every package module it imports (relatively, transitively; these
+# need nothing beyond torch, transformers and its dependencies). transformers refuses the folder if one is missing.
+_CUSTOM_GENERATE_ROOT = "generation.py"
+_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.([\w.]+)\s+import", re.MULTILINE)
 _CUSTOM_GENERATE_ENTRY = '''"""DSpark assisted generation for users without the dspark-hf package:
 
     target.generate(**inputs, assistant_model=drafter, custom_generate="<this repo>", trust_remote_code=True)
@@ -50,12 +46,24 @@ def generate(model, *args, **kwargs):
 '''
 
 
+def custom_generate_modules() -> list[str]:
+    """`generation.py` and the package modules it imports, directly or not (including imports inside functions)."""
+    package, todo, found = Path(__file__).parent, [_CUSTOM_GENERATE_ROOT], set()
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            text = (package / name).read_text(encoding="utf-8")
+            todo += [module.replace(".", "/") + ".py" for module in _RELATIVE_IMPORT.findall(text)]
+    return sorted(found)
+
+
 def write_custom_generate(out_dir: str | os.PathLike) -> Path:
     """`custom_generate/generate.py` + the generation modules + requirements.txt."""
     folder = Path(out_dir) / "custom_generate"
     folder.mkdir(parents=True, exist_ok=True)
     package = Path(__file__).parent
-    for name in CUSTOM_GENERATE_MODULES:
+    for name in custom_generate_modules():
         shutil.copyfile(package / name, folder / name)
     (folder / "generate.py").write_text(_CUSTOM_GENERATE_ENTRY)
     (folder / "requirements.txt").write_text("torch\ntransformers>=5.24,<6\npackaging\ntqdm\n")

@@ -64,6 +64,14 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return q_embed, k_embed
 
 
+def additive_attention_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Eager attention adds the mask to the scores: turn "visible" booleans into 0 / most-negative floats (a float
+    mask passes through)."""
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        return attention_mask
+    return torch.zeros_like(attention_mask, dtype=dtype).masked_fill(~attention_mask, torch.finfo(dtype).min)
+
+
 class DSparkAttention(LlamaAttention):
     """Llama attention whose keys/values are `[W_k H_ctx ; W_k H_block]` (KV injection)."""
 
@@ -174,6 +182,64 @@ class DSparkBlockDraft:
     survival: list[float]
 
 
+class DrafterMixin:
+    """What every drafter of this package shares: logits through the target's LM head (borrowed at call time, never
+    stored), strict safetensors-only loading with an optional target check, and `generation_stats`.
+
+    List it before the `PreTrainedModel` base: `class MyDraftModel(DrafterMixin, MyPreTrainedModel)`.
+    """
+
+    generation_stats = None  # a `DSparkGenerationStats`, filled by the candidate generator after each generate()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, restricted to safetensors and strict about missing weights.
+
+        Pass `target=` (and `tokenizer=`) to check at load time that the drafter was made for that target.
+        """
+        from .loading import check_checkpoint_files, raise_on_incomplete_load
+
+        target, tokenizer = kwargs.pop("target", None), kwargs.pop("tokenizer", None)
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("DSpark drafters load from safetensors only; drop `use_safetensors=False`.")
+        check_checkpoint_files(pretrained_model_name_or_path, kwargs)
+        kwargs["use_safetensors"] = True
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        raise_on_incomplete_load(pretrained_model_name_or_path, info)
+        if target is not None:  # optional pairing check at load time (generate() checks again)
+            model.config.check_target(target.config, tokenizer)
+        return (model, info) if want_info else model
+
+    def base_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module, vocab_ids=None) -> torch.Tensor:
+        """`U_k = lm_head(h_k)`, soft-capped for Gemma-family targets: (B, K, d) -> (B, K, V) float32.
+
+        With `vocab_ids` (V',) only those columns are computed, (B, K, V'): training on a vocabulary shortlist.
+        """
+        hidden_states = hidden_states.to(lm_head.weight.dtype)
+        if vocab_ids is None:
+            logits = lm_head(hidden_states).float()
+        else:
+            bias = lm_head.bias[vocab_ids] if getattr(lm_head, "bias", None) is not None else None
+            logits = nn.functional.linear(hidden_states, lm_head.weight[vocab_ids], bias).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def training_logits(self, features, input_ids, blocks, embed_tokens, lm_head, vocab_ids=None, forward=None):
+        """Teacher-forced draft logits of the training blocks, computed the way inference drafts them.
+
+        features (B, L, m·d): raw target features of every position; input_ids (B, L); blocks: a `BlockBatch`
+        (anchors, prev_ids, positions, mask); `forward`: the callable that runs this model's forward (a data-parallel
+        wrapper during training; default `self`). Returns draft logits (B, N, γ, V) (V' over `vocab_ids`) and
+        confidence logits (B, N, γ) or None.
+        """
+        raise NotImplementedError
+
+
 class DSparkPreTrainedModel(PreTrainedModel):
     config: DSparkConfig
     base_model_prefix = "dspark"
@@ -195,7 +261,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)
 
 
-class DSparkDraftModel(DSparkPreTrainedModel):
+class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
     """DSpark drafter: fused target features as extra K/V, a non-causal block pass, sequential and confidence heads.
 
     Use it as `target.generate(**inputs, assistant_model=drafter)` after `import dspark_hf`.
@@ -219,36 +285,18 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if config.confidence_head:
             rank = config.markov_rank if config.confidence_with_markov else None
             self.confidence_head = DSparkConfidenceHead(d, rank)
-        self.generation_stats = None  # filled by the candidate generator after each generate()
         self.post_init()
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, restricted to safetensors and strict about missing weights.
-
-        Pass `target=` (and `tokenizer=`) to check at load time that the drafter was made for that target.
-        A DeepSpec checkpoint (local folder, or a Hub repo already in the cache) is converted on the fly.
-        """
+        """`DrafterMixin.from_pretrained` (safetensors only, strict, optional `target=` / `tokenizer=` check); a
+        DeepSpec checkpoint (local folder, or a Hub repo already in the cache) is converted on the fly."""
         from .conversion import load_deepspec_checkpoint, resolve_deepspec_folder
-        from .loading import check_checkpoint_files, raise_on_incomplete_load
 
         deepspec_folder = resolve_deepspec_folder(pretrained_model_name_or_path, kwargs)
         if deepspec_folder is not None:  # DeepSpec's config.json is the target's (model_type "qwen3"), see conversion
             return load_deepspec_checkpoint(deepspec_folder, **kwargs)
-
-        target, tokenizer = kwargs.pop("target", None), kwargs.pop("tokenizer", None)
-        if kwargs.get("use_safetensors") is False:
-            raise ValueError("DSpark drafters load from safetensors only; drop `use_safetensors=False`.")
-        check_checkpoint_files(pretrained_model_name_or_path, kwargs)
-        kwargs["use_safetensors"] = True
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-        )
-        raise_on_incomplete_load(pretrained_model_name_or_path, info)
-        if target is not None:  # optional pairing check at load time (generate() checks again)
-            model.config.check_target(target.config, tokenizer)
-        return (model, info) if want_info else model
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     # -- inputs ---------------------------------------------------------------------------------------------------
 
@@ -304,11 +352,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 f"`position_ids` must cover context + block ({new_len} positions), got {position_ids.shape}."
             )
         hidden_states = noise_embeds.to(self.fc.weight.dtype)
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            # eager attention adds the mask to the scores: turn "visible" booleans into 0 / most-negative floats
-            attention_mask = torch.zeros_like(attention_mask, dtype=hidden_states.dtype).masked_fill(
-                ~attention_mask, torch.finfo(hidden_states.dtype).min
-            )
+        attention_mask = additive_attention_mask(attention_mask, hidden_states.dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
             hidden_states = layer(
@@ -321,23 +365,32 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             )
         return DSparkModelOutput(last_hidden_state=self.norm(hidden_states), cache=cache)
 
-    # -- heads ----------------------------------------------------------------------------------------------------
+    # -- training -------------------------------------------------------------------------------------------------
 
-    def base_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module, vocab_ids=None) -> torch.Tensor:
-        """`U_k = lm_head(h_k)`, soft-capped for Gemma-family targets: (B, K, d) -> (B, K, V) float32.
+    def block_hidden(self, features, input_ids, blocks, embed_tokens, forward=None) -> torch.Tensor:
+        """Backbone output of every training block, all in one pass with the training mask: (B, N, γ, d).
 
-        With `vocab_ids` (V',) only those columns are computed, (B, K, V'): training on a vocabulary shortlist.
+        `forward` runs the backbone (a data-parallel wrapper during training, for gradient sync; default `self`).
         """
-        hidden_states = hidden_states.to(lm_head.weight.dtype)
-        if vocab_ids is None:
-            logits = lm_head(hidden_states).float()
-        else:
-            bias = lm_head.bias[vocab_ids] if getattr(lm_head, "bias", None) is not None else None
-            logits = nn.functional.linear(hidden_states, lm_head.weight[vocab_ids], bias).float()
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        gamma = self.config.block_size
+        bsz, n = blocks.anchors.shape
+        noise = self.block_input_embeds(torch.gather(input_ids, 1, blocks.anchors), embed_tokens)  # (B, N·γ, d)
+        out = (forward or self)(
+            noise_embeds=noise,
+            context_hidden_states=features,
+            position_ids=blocks.position_ids,
+            attention_mask=blocks.attention_mask,
+        )
+        return out.last_hidden_state.view(bsz, n, gamma, -1)  # (B, N, γ, d)
+
+    def training_logits(self, features, input_ids, blocks, embed_tokens, lm_head, vocab_ids=None, forward=None):
+        """One parallel pass over all blocks, then `block_logits` (teacher-forced bias) and the confidence head."""
+        hidden = self.block_hidden(features, input_ids, blocks, embed_tokens, forward)
+        draft_logits = self.block_logits(hidden, blocks.prev_ids, lm_head, vocab_ids)  # (B, N, γ, V)
+        conf = self.confidence_logits(hidden.flatten(1, 2), blocks.prev_ids.flatten(1))
+        return draft_logits, conf.view_as(blocks.prev_ids) if conf is not None else None
+
+    # -- heads ----------------------------------------------------------------------------------------------------
 
     def sequential_bias(self, prev_ids, hidden_states, state=None, vocab_ids=None):
         """`B_k`: prev_ids (B, K), hidden_states (B, K, d) -> bias (B, K, V) (or (B, K, V') over `vocab_ids`) or
@@ -428,6 +481,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
 
 __all__ = [
+    "DrafterMixin",
     "DSparkBlockDraft",
     "DSparkDraftModel",
     "DSparkModelOutput",

@@ -19,8 +19,10 @@ import functools
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_dspark import DSparkConfig
+from .configuration_eagle3 import Eagle3Config
 from .generation import install_candidate_generator
 from .modeling_dspark import DSparkDraftModel
+from .modeling_eagle3 import Eagle3DraftModel
 
 
 def _load_deepspec_as_drafter(path, folder, model_args, kwargs):
@@ -67,12 +69,13 @@ def register() -> None:
 
     Idempotent.
     """
-    AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
-    AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
-    # save_pretrained then copies configuration_dspark.py / modeling_dspark.py (and what they import) next to the
-    # weights, so `AutoModel.from_pretrained(path, trust_remote_code=True)` works without this package.
-    DSparkConfig.register_for_auto_class()
-    DSparkDraftModel.register_for_auto_class("AutoModel")
+    for config_class, model_class in ((DSparkConfig, DSparkDraftModel), (Eagle3Config, Eagle3DraftModel)):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        AutoModel.register(config_class, model_class, exist_ok=True)
+        # save_pretrained then copies configuration_*.py / modeling_*.py (and what they import) next to the
+        # weights, so `AutoModel.from_pretrained(path, trust_remote_code=True)` works without this package.
+        config_class.register_for_auto_class()
+        model_class.register_for_auto_class("AutoModel")
     _route_deepspec(AutoModel, _load_deepspec_as_drafter)
     _route_deepspec(AutoModelForCausalLM, _refuse_deepspec_as_causal_lm)
     install_candidate_generator()

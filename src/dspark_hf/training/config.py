@@ -7,6 +7,10 @@ from pathlib import Path
 from typing import Any
 
 
+DRAFTER_KINDS = ("dspark", "eagle3")
+DRAFTER_MODEL_TYPES = ("dspark", "dspark_eagle3")  # `model_type` of their configs
+
+
 @dataclass
 class DSparkTrainingConfig:
     """Settings of one training run, grouped by concern.
@@ -14,8 +18,9 @@ class DSparkTrainingConfig:
     Data: `data` (a token dataset written by `dspark-hf data`, `.npz`), `seq_len`, `batch_size`, `num_anchors`;
         `features` (offline mode: the target features of `data`, cached by `dspark-hf features`).
     Drafter: `init_drafter` (continue from a trained checkpoint: a curriculum's next stage, fine-tuning),
-        `drafter_config` (a hub_configs JSON, optional) or the shape fields `num_hidden_layers`, `block_size`,
-        `markov_rank`, `sequential_head`, `confidence_head`.
+        `drafter_config` (a hub_configs JSON, optional) or `drafter_kind` ("dspark", or "eagle3" for the EAGLE-3
+        baseline) with the shape fields `num_hidden_layers`, `block_size`, and for DSpark `markov_rank`,
+        `sequential_head`, `confidence_head`.
     Optimisation: AdamW (`learning_rate`, `weight_decay`), `warmup_ratio` then cosine decay to 0 over `max_steps`,
         `grad_clip`, `mixed_precision` ("no" or "bf16").
     Speed: `train_vocab_size` restricts the training-time output to a shortlist of frequent tokens.
@@ -38,7 +43,10 @@ class DSparkTrainingConfig:
         default=None,
         metadata={"help": "start from this drafter checkpoint (its config and weights), e.g. an earlier stage's best/"},
     )
-    num_hidden_layers: int = field(default=2, metadata={"help": "draft layers"})
+    drafter_kind: str = field(
+        default="dspark", metadata={"help": "dspark | eagle3 (the autoregressive EAGLE-3 baseline, same pipeline)"}
+    )
+    num_hidden_layers: int | None = field(default=None, metadata={"help": "draft layers (default: DSpark 2, EAGLE-3 1)"})
     block_size: int = field(default=7, metadata={"help": "γ: draft tokens per block"})
     markov_rank: int = field(default=64, metadata={"help": "rank of the sequential head"})
     sequential_head: str = field(default="markov", metadata={"help": "markov | gated_markov | rnn | none (DFlash)"})
@@ -82,6 +90,8 @@ class DSparkTrainingConfig:
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.drafter_kind not in DRAFTER_KINDS:
+            raise ValueError(f"`drafter_kind` must be one of {list(DRAFTER_KINDS)}, got {self.drafter_kind!r}.")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"`mixed_precision` must be 'no' or 'bf16', got {self.mixed_precision!r}.")
         if not 0 <= self.warmup_ratio < 1:
@@ -110,7 +120,7 @@ class DSparkTrainingConfig:
                 values = yaml.safe_load(text) or {}
             else:
                 values = json.loads(text)
-            if values.get("model_type") == "dspark" or "target_layer_ids" in values:
+            if values.get("model_type") in DRAFTER_MODEL_TYPES or "target_layer_ids" in values:
                 # a drafter config (e.g. hub_configs/NAME.json): train that drafter with default settings
                 values = {"drafter_config": str(path)}
         for item in overrides or []:

@@ -55,7 +55,8 @@ def dspark_loss(
         l1 = (log_pd.exp() - F.softmax(target_logits.float(), dim=-1)).abs().sum(-1)  # (..., γ), = 2·TV
         tv = (weights * l1).sum() / denom
     conf = zero
-    accept = (1 - 0.5 * l1).clamp(0, 1).detach() if confidence_logits is not None else None
+    # c* per position (logged as accept_rate; the confidence target); needs the L1 term, computed above if either
+    accept = (1 - 0.5 * l1).clamp(0, 1).detach() if alpha_tv or confidence_logits is not None else None
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
         conf = (weights * bce).sum() / denom

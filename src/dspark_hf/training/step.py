@@ -24,22 +24,12 @@ def target_features(target, input_ids: torch.LongTensor, layer_ids: list[int]):
 
 
 def drafter_block_hidden(drafter, features, input_ids, blocks: BlockBatch, embed_tokens) -> torch.Tensor:
-    """Backbone output of every block, all in one pass with the training mask: (B, N, γ, d).
+    """A DSpark drafter's backbone output of every block, all in one pass with the training mask: (B, N, γ, d).
 
     `drafter` may be wrapped for data parallelism: its forward goes through the wrapper (gradient sync), the
     helper methods through the wrapped module.
     """
-    module = getattr(drafter, "module", drafter)
-    gamma = module.config.block_size
-    bsz, n = blocks.anchors.shape
-    noise = module.block_input_embeds(torch.gather(input_ids, 1, blocks.anchors), embed_tokens)  # (B, N·γ, d)
-    out = drafter(
-        noise_embeds=noise,
-        context_hidden_states=features,
-        position_ids=blocks.position_ids,
-        attention_mask=blocks.attention_mask,
-    )
-    return out.last_hidden_state.view(bsz, n, gamma, -1)  # (B, N, γ, d)
+    return getattr(drafter, "module", drafter).block_hidden(features, input_ids, blocks, embed_tokens, drafter)
 
 
 def vocab_shortlist(dataset, size: int, always: list[int] | None = None) -> torch.LongTensor | None:
@@ -73,7 +63,10 @@ class BlockPredictions:
 def block_predictions(
     drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None, features=None
 ) -> BlockPredictions:
-    """Sample blocks, run the target (features, p_t) and the drafter (p_d with the bias, confidence) on them.
+    """Sample blocks, run the target (features, p_t) and the drafter (p_d, and confidence if it has a head) on them.
+
+    The drafter's `training_logits` decides how it drafts the blocks (DSpark: one parallel pass; EAGLE-3: the
+    unrolled training-time test).
 
     vocab_ids (V',) sorted, or None for the full vocabulary (see `vocab_shortlist`). features: offline mode, the
     precomputed `target_features` of `input_ids` ((B, L, m·d), (B, L, d), e.g. from a `FeatureCache`); the target's
@@ -86,14 +79,11 @@ def block_predictions(
         features = target_features(target, input_ids, config.target_layer_ids)
     features, last_hidden = features
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
-    hidden = drafter_block_hidden(drafter, features, input_ids, blocks, embed)
-    draft_logits = module.block_logits(hidden, blocks.prev_ids, lm_head, vocab_ids)  # (B, N, γ, V)
+    draft_logits, conf = module.training_logits(features, input_ids, blocks, embed, lm_head, vocab_ids, drafter)
     with torch.no_grad():
         pos = blocks.label_positions.flatten(1)  # (B, N·γ)
         picked = torch.gather(last_hidden, 1, pos[..., None].expand(-1, -1, last_hidden.shape[-1]))
         target_logits = module.base_logits(picked, lm_head, vocab_ids).view_as(draft_logits)
-    conf = module.confidence_logits(hidden.flatten(1, 2), blocks.prev_ids.flatten(1))
-    conf = conf.view_as(blocks.labels) if conf is not None else None
     labels = blocks.labels
     if vocab_ids is not None:
         vocab_ids = vocab_ids.to(labels.device)

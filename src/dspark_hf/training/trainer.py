@@ -8,6 +8,7 @@ the `latest` pointer is replaced); `resume=True` continues from the newest one w
 have seen, because batch sampling is seeded by (seed, step, rank).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -17,9 +18,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModel
 from transformers.utils import logging
 
 from ..configuration_dspark import DSparkConfig
+from ..configuration_eagle3 import Eagle3Config
 from ..modeling_dspark import DSparkDraftModel
 from .config import DSparkTrainingConfig
 from .dataset import TokenDataset
@@ -39,19 +42,25 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def build_drafter(config: DSparkTrainingConfig, target, tokenizer=None) -> DSparkDraftModel:
+def build_drafter(config: DSparkTrainingConfig, target, tokenizer=None):
+    """The drafter a run starts from: `init_drafter`'s checkpoint, a new one from `drafter_config` (a DSpark or
+    EAGLE-3 config file), or a new `drafter_kind` drafter shaped by the training config."""
     if config.init_drafter:
-        drafter = DSparkDraftModel.from_pretrained(config.init_drafter)
+        drafter = AutoModel.from_pretrained(config.init_drafter)  # DSpark (ours or DeepSpec's) or EAGLE-3
         drafter.config.check_target(target.config)
         logger.info(f"Starting from the drafter in {config.init_drafter}.")
         return drafter
     if config.drafter_config:
-        drafter_config = DSparkConfig.from_json_file(config.drafter_config)
+        drafter_config = AutoConfig.from_pretrained(config.drafter_config)
         drafter_config.check_target(target.config)
+        drafter_config = apply_shape_overrides(drafter_config, config)
+    elif config.drafter_kind == "eagle3":
+        layers = {} if config.num_hidden_layers is None else {"num_hidden_layers": config.num_hidden_layers}
+        drafter_config = Eagle3Config.for_target(target.config, block_size=config.block_size, **layers)
     else:
         drafter_config = DSparkConfig.for_target(
             target.config,
-            num_hidden_layers=config.num_hidden_layers,
+            num_hidden_layers=config.num_hidden_layers or 2,
             block_size=config.block_size,
             markov_rank=config.markov_rank,
             sequential_head=config.sequential_head,
@@ -60,14 +69,44 @@ def build_drafter(config: DSparkTrainingConfig, target, tokenizer=None) -> DSpar
         )
     drafter_config.record_target(target, tokenizer)
     torch.manual_seed(config.seed)
-    drafter = DSparkDraftModel(drafter_config)
+    drafter = AutoModel.from_config(drafter_config)
     if config.init_from_target:
         init_from_target(drafter, target)
     return drafter
 
 
+SHAPE_FIELDS = ("num_hidden_layers", "block_size", "markov_rank", "sequential_head", "confidence_head")
+
+
+def apply_shape_overrides(drafter_config, config: DSparkTrainingConfig):
+    """The drafter config of a `drafter_config` file with the training config's shape fields applied where they
+    differ from their defaults (e.g. `--set num_hidden_layers=4 sequential_head=none` on a hub_configs file), so
+    that no setting is silently ignored. Fields the drafter kind does not have are an error."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DSparkTrainingConfig)}
+    kind = "eagle3" if drafter_config.model_type == "dspark_eagle3" else "dspark"
+    if config.drafter_kind != defaults["drafter_kind"] and config.drafter_kind != kind:
+        raise ValueError(
+            f"`drafter_kind={config.drafter_kind!r}` contradicts `drafter_config` ({config.drafter_config} is a "
+            f"{kind} config). Drop one of the two."
+        )
+    changed = {name: getattr(config, name) for name in SHAPE_FIELDS if getattr(config, name) != defaults[name]}
+    if not changed:
+        return drafter_config
+    values = drafter_config.to_dict()
+    unknown = [name for name in changed if name not in values]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} cannot be set on a {kind} drafter ({config.drafter_config}).")
+    values.update(changed)
+    if "block_size" in changed:
+        values["sts_temperatures"] = None  # one per position: the file's no longer fit
+    if values.get("sequential_head") == "none":
+        values["confidence_with_markov"] = False  # no sequential head: the confidence head reads h_k alone
+    logger.info(f"Overriding {sorted(changed)} of {config.drafter_config}.")
+    return type(drafter_config).from_dict(values)
+
+
 @torch.no_grad()
-def init_from_target(drafter: DSparkDraftModel, target) -> None:
+def init_from_target(drafter, target) -> None:
     """Sample-efficient start: draft layer i copies target layer L - n + i (same block shapes), and `fc` passes the
     deepest tapped layer through unchanged, so the untrained drafter already behaves like the target's top layers
     reading its own features."""
@@ -146,7 +185,7 @@ class DSparkTrainer:
         if not pointer.is_file():
             return False
         folder = self.output_dir / pointer.read_text().strip()
-        loaded = DSparkDraftModel.from_pretrained(folder)
+        loaded = type(self.accelerator.unwrap_model(self.drafter)).from_pretrained(folder)
         self.accelerator.unwrap_model(self.drafter).load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
