@@ -119,6 +119,20 @@ def test_save_for_hub_writes_a_complete_folder(tmp_path, target):
     assert not any(n.endswith(".bin") for n in names)
 
 
+def test_save_for_hub_without_code_loads_with_the_package(tmp_path, target):
+    """The embedded default's layout: weights, config and card, no remote code; it loads and drafts the same."""
+    from dspark_hf import DSparkDraftModel
+
+    drafter = make_drafter(target)
+    folder = save_for_hub(drafter, tmp_path / "repo", with_code=False)
+    names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert names == {"config.json", "model.safetensors", "README.md"}
+    assert "auto_map" not in json.loads((folder / "config.json").read_text())
+    loaded = DSparkDraftModel.from_pretrained(folder)
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def test_push_to_hub_uploads_the_folder(tmp_path, target):
     class FakeApi:
         def __init__(self):

@@ -178,12 +178,26 @@ def _beside_checkpoint(drafter, name: str) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def save_for_hub(drafter, out_dir, results=None, profile=None, training=None, calibration=None) -> Path:
+def _strip_remote_code(folder: Path) -> None:
+    """Remove the modeling files `save_pretrained` copies for `trust_remote_code` and the `auto_map` naming them."""
+    for path in folder.glob("*.py"):
+        path.unlink()
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config.pop("auto_map", None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def save_for_hub(
+    drafter, out_dir, results=None, profile=None, training=None, calibration=None, with_code: bool = True
+) -> Path:
     """Write a complete Hub folder atomically: weights, code (auto_map), README.md, profile, custom_generate/.
 
     `profile`, `calibration` and `training` default to what `dspark-hf profile`, `dspark-hf calibrate` and
     `dspark-hf train` stored beside the drafter's local checkpoint (`sps_profile.json`, `calibration.json`,
-    `trainer_state.json`).
+    `trainer_state.json`). `with_code=False` leaves out the remote code (modeling files, `auto_map`,
+    `custom_generate/`): for a checkpoint that is only ever loaded with this package installed, such as the
+    embedded default inside it.
     """
     from .profiling import PROFILE_FILE, load_profile
 
@@ -197,11 +211,14 @@ def save_for_hub(drafter, out_dir, results=None, profile=None, training=None, ca
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent if out_dir.parent.exists() else None, prefix=".hub-"))
     try:
         drafter.save_pretrained(tmp)
+        if not with_code:
+            _strip_remote_code(tmp)
         if profile is not None:
             atomic_write_json(profile, tmp / PROFILE_FILE)
         if calibration is not None:
             atomic_write_json(calibration, tmp / CALIBRATION_FILE)
-        write_custom_generate(tmp)
+        if with_code:
+            write_custom_generate(tmp)
         (tmp / "README.md").write_text(model_card(drafter.config, results, profile, training, calibration))
         if out_dir.exists():
             shutil.rmtree(out_dir)
