@@ -15,6 +15,7 @@ from dspark_hf.profiling import (
     PROFILE_FORMAT,
     find_profile,
     load_profile,
+    monotone_fit,
     profile_target,
     save_profile,
     sps_for,
@@ -45,7 +46,25 @@ def test_profile_has_the_documented_keys(target):
     assert list(table) == [1, 2, 3, 4, 5] and all(v > 0 for v in table.values())
     assert table[3] == pytest.approx(1000.0 / profile["verify_ms"]["3"])
     assert set(profile["sps_by_batch"]["2"]) == {"2", "4", "6", "8", "10"}
+    assert set(profile["verify_ms_measured"]) == set(profile["verify_ms"])
+    for keys in ([str(k) for k in range(1, 6)], [f"2,{k}" for k in range(1, 6)]):
+        fitted = [profile["verify_ms"][key] for key in keys]
+        assert fitted == sorted(fitted) and fitted == monotone_fit([profile["verify_ms_measured"][k] for k in keys])
     json.dumps(profile)  # JSON-able as is
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]),  # already ordered: untouched
+        ([3.0, 1.0], [2.0, 2.0]),  # one violation: pooled to its mean
+        ([87.0, 136.0, 167.0, 118.0, 106.0], [87.0, 131.75, 131.75, 131.75, 131.75]),  # a noisy CPU profile
+        ([1.0, 5.0, 2.0, 2.0, 9.0], [1.0, 3.0, 3.0, 3.0, 9.0]),  # a pool absorbs later values, then order resumes
+        ([], []),
+    ],
+)
+def test_monotone_fit_is_the_least_squares_non_decreasing_fit(values, expected):
+    assert monotone_fit(values) == pytest.approx(expected)
 
 
 def test_profiling_leaves_the_global_rng_alone(target):

@@ -371,9 +371,10 @@ def cmd_profile(args) -> int:
     save_profile(profile, args.out)
     threads, context = profile["torch_threads"], profile["context_len"]
     print(f"{profile['device']} ({profile['dtype']}, {threads} threads), verify on a cache of {context} tokens")
-    print(f"{'B':>4} {'verify ms':>10} {'steps/s':>9}")
+    print(f"{'B':>4} {'measured ms':>12} {'fitted ms':>10} {'steps/s':>9}")
     for tokens, sps in sorted(((int(b), v) for b, v in profile["sps"].items())):
-        print(f"{tokens:>4} {profile['verify_ms'][str(tokens)]:>10.2f} {sps:>9.1f}")
+        key = str(tokens)
+        print(f"{tokens:>4} {profile['verify_ms_measured'][key]:>12.2f} {profile['verify_ms'][key]:>10.2f} {sps:>9.1f}")
     print(f"wrote {args.out} (put it in the drafter checkpoint's folder for verify_policy='scheduler')")
     if args.png:
         try:

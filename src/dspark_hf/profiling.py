@@ -82,6 +82,23 @@ def _target_device_dtype(target) -> tuple[torch.device, torch.dtype]:
 # -- measuring ----------------------------------------------------------------------------------------------------
 
 
+def monotone_fit(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators).
+
+    A forward of more tokens never costs less than one of fewer, so a measured dip (or a spike that a later
+    length undercuts) is noise; Algorithm 1 would otherwise read a dip as a free longer verify. Runs of values
+    that break the order are replaced by their mean.
+    """
+    pools: list[tuple[float, int]] = []  # (mean, count) of pooled runs, means non-decreasing
+    for value in values:
+        mean, count = float(value), 1
+        while pools and pools[-1][0] > mean:
+            prev_mean, prev_count = pools.pop()
+            mean, count = (prev_mean * prev_count + mean * count) / (prev_count + count), prev_count + count
+        pools.append((mean, count))
+    return [mean for mean, count in pools for _ in range(count)]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -102,10 +119,11 @@ def profile_target(
     """Median wall-clock time of one target verify forward of k tokens on a prefilled cache of `context_len` tokens.
 
     For every batch size b and k in `lengths`: a (b, k) forward with the cache, cropped back after each run;
-    `warmup` untimed runs, then the median of `repeats`. Returns a JSON-able profile (format "dspark-sps-v1"):
-    `verify_ms` keyed by "k" (batch 1) or "b,k", and `sps` {B: 1000 / ms} keyed by the verify-batch token count
-    B = b·k (anchors included, Algorithm 1's B), taken from batch size 1 (else the smallest batch size profiled);
-    with several batch sizes `sps_by_batch` {b: {B: steps/s}} holds them all. Token ids are random (own generator,
+    `warmup` untimed rounds, then `repeats` timed ones, each round visiting every length once. Returns a JSON-able
+    profile (format "dspark-sps-v1"): `verify_ms_measured`, the medians, keyed by "k" (batch 1) or "b,k";
+    `verify_ms`, their non-decreasing fit in k per batch size (`monotone_fit`), which the rates come from; and
+    `sps` {B: 1000 / ms} keyed by the verify-batch token count B = b·k (anchors included, Algorithm 1's B), taken
+    from batch size 1 (else the smallest batch size profiled); with several batch sizes `sps_by_batch` {b: {B: steps/s}} holds them all. Token ids are random (own generator,
     the global RNG is untouched).
     """
     lengths = sorted({int(k) for k in lengths})
@@ -130,16 +148,17 @@ def profile_target(
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
 
-    verify_ms, sps_by_batch = {}, {}
-    bar = tqdm(total=len(batch_sizes) * len(lengths), desc="profiling target", disable=not progress)
+    measured_ms, verify_ms, sps_by_batch = {}, {}, {}
+    bar = tqdm(total=len(batch_sizes) * (warmup + repeats), desc="profiling target", disable=not progress)
     try:
         for b in batch_sizes:
             cache = DynamicCache(config=target.config)
             target(input_ids=random_ids(b, context_len), use_cache=True, **{cache_arg: cache})
-            sps_by_batch[b] = {}
-            for k in lengths:
-                times = []
-                for i in range(warmup + repeats):
+            times = {k: [] for k in lengths}
+            # round robin over the lengths: a burst of load on the machine lands on every length alike instead of
+            # on a few neighbouring ones
+            for i in range(warmup + repeats):
+                for k in lengths:
                     ids = random_ids(b, k)
                     _sync(device)
                     start = time.perf_counter()
@@ -148,11 +167,14 @@ def profile_target(
                     elapsed = time.perf_counter() - start
                     cache.crop(-k)
                     if i >= warmup:
-                        times.append(elapsed * 1000.0)
-                ms = statistics.median(times)
-                verify_ms[str(k) if b == 1 else f"{b},{k}"] = ms
-                sps_by_batch[b][str(b * k)] = 1000.0 / ms
+                        times[k].append(elapsed * 1000.0)
                 bar.update(1)
+            medians = [statistics.median(times[k]) for k in lengths]
+            sps_by_batch[b] = {}
+            for k, raw, fitted in zip(lengths, medians, monotone_fit(medians)):
+                key = str(k) if b == 1 else f"{b},{k}"
+                measured_ms[key], verify_ms[key] = raw, fitted
+                sps_by_batch[b][str(b * k)] = 1000.0 / fitted
     finally:
         bar.close()
     profile = {
@@ -165,6 +187,7 @@ def profile_target(
         "warmup": warmup,
         "repeats": repeats,
         "verify_ms": verify_ms,
+        "verify_ms_measured": measured_ms,
         "sps": sps_by_batch[batch_sizes[0]],
     }
     if len(batch_sizes) > 1:
@@ -237,20 +260,28 @@ def plot_profile(profile: dict, png_path: str | os.PathLike) -> Path:
         from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError("plot_profile needs matplotlib: `pip install matplotlib`.") from e
-    series: dict[int, list[tuple[int, float]]] = {}
-    for key, ms in profile["verify_ms"].items():
-        b, k = (1, int(key)) if "," not in str(key) else map(int, str(key).split(","))
-        series.setdefault(b, []).append((k, float(ms)))
+    def by_batch(table: dict) -> dict[int, list[tuple[int, float]]]:
+        series: dict[int, list[tuple[int, float]]] = {}
+        for key, ms in table.items():
+            b, k = (1, int(key)) if "," not in str(key) else map(int, str(key).split(","))
+            series.setdefault(b, []).append((k, float(ms)))
+        return {b: sorted(points) for b, points in sorted(series.items())}
+
+    series, measured = by_batch(profile["verify_ms"]), by_batch(profile.get("verify_ms_measured", {}))
     fig = Figure(figsize=(9, 3.6))
     FigureCanvasAgg(fig)
     ax_ms, ax_sps = fig.subplots(1, 2)
-    for b, points in sorted(series.items()):
-        points.sort()
+    for b, points in series.items():
         ks = [k for k, _ in points]
         label = f"batch {b}"
-        ax_ms.plot(ks, [ms for _, ms in points], marker="o", label=label)
+        (line,) = ax_ms.plot(ks, [ms for _, ms in points], marker="o", label=label)
         ax_sps.plot([b * k for k in ks], [1000.0 / ms for _, ms in points], marker="o", label=label)
-    ax_ms.set(xlabel="tokens per request (k)", ylabel="verify forward (ms)", title="verify latency")
+        if b in measured:  # the raw medians behind the monotone fit, as crosses
+            raw = measured[b]
+            ax_ms.plot([k for k, _ in raw], [ms for _, ms in raw], "x", color=line.get_color(), alpha=0.6)
+            ax_sps.plot([b * k for k, _ in raw], [1000.0 / ms for _, ms in raw], "x", color=line.get_color(), alpha=0.6)
+    title = "verify latency (x: measured, line: monotone fit)" if measured else "verify latency"
+    ax_ms.set(xlabel="tokens per request (k)", ylabel="verify forward (ms)", title=title)
     ax_sps.set(xlabel="verify-batch tokens B", ylabel="steps / s", title="SPS(B)")
     for ax in (ax_ms, ax_sps):
         ax.grid(alpha=0.3)
@@ -366,6 +397,7 @@ __all__ = [
     "device_key",
     "find_profile",
     "load_profile",
+    "monotone_fit",
     "plot_profile",
     "profile_target",
     "save_profile",
