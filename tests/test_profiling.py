@@ -198,3 +198,21 @@ def test_cli_profile_writes_json_and_png(tmp_path, capsys):
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed: no PNG to check")
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_profile_takes_sparse_lengths(tmp_path):
+    make_target().save_pretrained(tmp_path / "target")
+    out = tmp_path / "p.json"
+    argv = ["profile", "--target", str(tmp_path / "target"), "--lengths", "1-3,8,6", "--repeats", "1"]
+    assert main(argv + ["--context-len", "16", "--out", str(out), "--png", "", "--device", "cpu"]) == 0
+    table = sps_table(load_profile(out))
+    assert sorted(table) == [1, 2, 3, 6, 8]
+    assert list(table.values()) == sorted(table.values(), reverse=True)  # the monotone fit: never faster for more
+
+
+@pytest.mark.parametrize("text", ["1-x", "0,4", ""])
+def test_cli_profile_rejects_bad_lengths(text):
+    from dspark_hf.cli import parse_lengths
+
+    with pytest.raises(ValueError, match="--lengths"):
+        parse_lengths(text)

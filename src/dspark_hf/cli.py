@@ -351,6 +351,23 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def parse_lengths(text: str) -> list[int]:
+    """"1-16,24,32" -> [1, ..., 16, 24, 32]: token counts and inclusive ranges, comma-separated."""
+    lengths = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                lengths.extend(range(lo, hi + 1))
+            else:
+                lengths.append(int(part))
+        except ValueError:
+            raise ValueError(f"--lengths {text!r}: {part!r} is neither a token count nor a range like 1-16.") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths {text!r} must name token counts >= 1, e.g. 1-16,24,32,64.")
+    return sorted(set(lengths))
+
+
 def cmd_profile(args) -> int:
     from .profiling import plot_profile, profile_target, save_profile
 
@@ -365,9 +382,8 @@ def cmd_profile(args) -> int:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target.to(device)
-    profile = profile_target(
-        target, lengths=range(1, args.max_tokens + 1), context_len=args.context_len, repeats=args.repeats
-    )
+    lengths = parse_lengths(args.lengths) if args.lengths else range(1, args.max_tokens + 1)
+    profile = profile_target(target, lengths=lengths, context_len=args.context_len, repeats=args.repeats)
     save_profile(profile, args.out)
     threads, context = profile["torch_threads"], profile["context_len"]
     print(f"{profile['device']} ({profile['dtype']}, {threads} threads), verify on a cache of {context} tokens")
@@ -478,6 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="measure target verify steps/s per verify size (Algorithm 1's SPS)")
     profile.add_argument("--target", help="target model path or Hub id (default: embedded SmolLM2-135M-Instruct)")
     profile.add_argument("--max-tokens", type=int, default=16, help="profile verify batches of 1..N tokens")
+    profile.add_argument(
+        "--lengths",
+        default=None,
+        help="profile these verify sizes instead, e.g. 1-16,24,32,64,128 (an engine with batch b and block γ "
+        "verifies up to b·(γ+1) tokens; sizes in between are looked up at the next profiled one)",
+    )
     profile.add_argument("--context-len", type=int, default=256, help="prefilled KV cache length")
     profile.add_argument("--repeats", type=int, default=5, help="timed runs per size (median taken)")
     profile.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
