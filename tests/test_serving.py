@@ -379,3 +379,35 @@ def test_real_smollm2_chat_over_http_equals_plain_greedy():
         events = stream(server, "/v1/chat/completions", request)
     assert status == 200 and body["choices"][0]["message"]["content"] == expected
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1]) == expected
+
+
+def test_a_burst_of_connections_waits_in_the_backlog_instead_of_being_refused(served):
+    """48 clients connect while the accept loop is held up (as by a long verify forward): each is queued by the
+    kernel and answered once the server accepts again (socketserver's default backlog of 5 dropped them)."""
+    import socket
+
+    server = served[0]
+    gate, get_request = threading.Event(), server.httpd.get_request
+
+    def held_get_request():
+        gate.wait(timeout=30)
+        return get_request()
+
+    server.httpd.get_request = held_get_request
+    try:
+        # the loop may already sit in one accept; the rest of the burst has to fit in the backlog
+        socks = [socket.create_connection((server.host, server.port), timeout=3) for _ in range(48)]
+    finally:
+        gate.set()
+        server.httpd.get_request = get_request
+    try:
+        for sock in socks:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        for sock in socks:
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.") and b" 200 " in reply.split(b"\r\n", 1)[0]
+    finally:
+        for sock in socks:
+            sock.close()
