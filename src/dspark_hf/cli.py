@@ -371,6 +371,10 @@ def parse_lengths(text: str) -> list[int]:
 def cmd_profile(args) -> int:
     from .profiling import plot_profile, profile_target, save_profile
 
+    try:  # before the target loads: a typo fails at once
+        lengths = parse_lengths(args.lengths) if args.lengths else range(1, args.max_tokens + 1)
+    except ValueError as err:
+        raise SystemExit(f"dspark-hf profile: {err}") from err
     dtype = getattr(torch, args.dtype)
     if args.target is None:
         from .default import load_default_target
@@ -382,7 +386,6 @@ def cmd_profile(args) -> int:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target.to(device)
-    lengths = parse_lengths(args.lengths) if args.lengths else range(1, args.max_tokens + 1)
     profile = profile_target(target, lengths=lengths, context_len=args.context_len, repeats=args.repeats)
     save_profile(profile, args.out)
     threads, context = profile["torch_threads"], profile["context_len"]

@@ -123,8 +123,8 @@ def profile_target(
     profile (format "dspark-sps-v1"): `verify_ms_measured`, the medians, keyed by "k" (batch 1) or "b,k";
     `verify_ms`, their non-decreasing fit in k per batch size (`monotone_fit`), which the rates come from; and
     `sps` {B: 1000 / ms} keyed by the verify-batch token count B = b·k (anchors included, Algorithm 1's B), taken
-    from batch size 1 (else the smallest batch size profiled); with several batch sizes `sps_by_batch` {b: {B: steps/s}} holds them all. Token ids are random (own generator,
-    the global RNG is untouched).
+    from batch size 1 (else the smallest batch size profiled); with several batch sizes `sps_by_batch`
+    {b: {B: steps/s}} holds them all. Token ids are random (own generator, the global RNG is untouched).
     """
     lengths = sorted({int(k) for k in lengths})
     batch_sizes = sorted({int(b) for b in batch_sizes})
