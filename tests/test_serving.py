@@ -394,9 +394,11 @@ def test_a_burst_of_connections_waits_in_the_backlog_instead_of_being_refused(se
         return get_request()
 
     server.httpd.get_request = held_get_request
+    socks = []
     try:
         # the loop may already sit in one accept; the rest of the burst has to fit in the backlog
-        socks = [socket.create_connection((server.host, server.port), timeout=3) for _ in range(48)]
+        for _ in range(48):
+            socks.append(socket.create_connection((server.host, server.port), timeout=3))
     finally:
         gate.set()
         server.httpd.get_request = get_request

@@ -352,17 +352,11 @@ def cmd_calibrate(args) -> int:
 
 
 def parse_lengths(text: str) -> list[int]:
-    """"1-16,24,32" -> [1, ..., 16, 24, 32]: token counts and inclusive ranges, comma-separated."""
-    lengths = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                lengths.extend(range(lo, hi + 1))
-            else:
-                lengths.append(int(part))
-        except ValueError:
-            raise ValueError(f"--lengths {text!r}: {part!r} is neither a token count nor a range like 1-16.") from None
+    """`profile --lengths`: "1-16,24,32" -> [1, ..., 16, 24, 32] (`_int_list`), sorted, deduplicated, all >= 1."""
+    try:
+        lengths = _int_list(text)
+    except ValueError:
+        raise ValueError(f"--lengths {text!r} is not a list of token counts and ranges like 1-16,24,32.") from None
     if not lengths or min(lengths) < 1:
         raise ValueError(f"--lengths {text!r} must name token counts >= 1, e.g. 1-16,24,32,64.")
     return sorted(set(lengths))
