@@ -217,6 +217,19 @@ def test_oracle_drafter_saves_target_forwards(target):
     assert engine.stats["acceptance_length"] > gamma
 
 
+def test_num_assistant_tokens_is_a_shorter_fixed_gamma(target):
+    """`num_assistant_tokens=2` verifies 2 drafts of each block: still the plain output, with an oracle drafter
+    1 + ceil(29 / 3) target forwards, and no draft ever examined past position 2."""
+    prompts = random_prompts([3, 8, 5, 13])
+    engine = make_engine(target, "fixed", num_assistant_tokens=2)
+    pin_engine_drafter(engine, references_for(target, prompts))
+    assert engine.generate(prompts, max_new_tokens=30) == [plain_output(target, p, 30) for p in prompts]
+    stats = engine.stats
+    assert stats["target_forwards"] == 1 + -(-29 // 3) and stats["num_assistant_tokens"] == 2
+    assert stats["per_position_acceptance"][:2] == [1.0, 1.0]
+    assert stats["per_position_acceptance"][2:] == [None] * (engine.block_size - 2)
+
+
 def test_steep_sps_profile_verifies_less(target):
     """Algorithm 1 across the batch: a compute-bound profile cuts verify lengths, a flat one verifies everything."""
     prompts = random_prompts([3, 8, 5, 13])
@@ -342,6 +355,11 @@ def test_bad_engine_arguments(target, drafter):
         Engine(target, verify_policy="fixed")
     with pytest.raises(TypeError, match="DSpark drafter"):
         Engine(target, make_target())
+    for bad in (0, drafter.config.block_size + 1, 2.0, True):
+        with pytest.raises(ValueError, match="num_assistant_tokens"):
+            Engine(target, drafter, num_assistant_tokens=bad)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target, num_assistant_tokens=2)
     other_target = make_target(num_layers=3)
     with pytest.raises(ValueError):
         Engine(other_target, drafter)  # the drafter was made for another target (config.check_target)

@@ -330,10 +330,14 @@ def test_load_bench_end_to_end_writes_json_and_png(tmp_path):
         str(tmp_path / "target"),
         "--drafter",
         str(tmp_path / "drafter"),
+        "--configs",
+        "plain,fixed,fixed:1,scheduled",
     ]
     assert main(argv) == 0
     result = json.loads(out.read_text())
-    assert list(result["curves"]) == ["plain", "fixed", "scheduled"]
+    assert list(result["curves"]) == ["plain", "fixed", "fixed:1", "scheduled"]
+    assert result["labels"]["fixed:1"] == "fixed γ=1"
+    assert all(0 < p["mean_verify_length"] <= 1 for p in result["curves"]["fixed:1"])
     for name, points in result["curves"].items():
         assert [p["concurrency"] for p in points] == [1, 2]
         assert [p["completion_tokens"] for p in points] == [6, 12] and all(p["aggregate_tok_s"] > 0 for p in points)
@@ -358,6 +362,42 @@ def test_matched_throughput_comparison():
     # at 175 tok/s the fixed curve gives 62.5 tok/s/user: 90 / 62.5 = +44 %; 250 lies outside the fixed curve
     assert [g["aggregate_tok_s"] for g in targets["matched_throughput_gains"]] == [100, 175]
     assert targets["best_matched_gain"] == pytest.approx(0.44) and targets["matched_gain_ge_30pct"] is True
+
+
+def test_matched_throughput_is_against_the_best_fixed_gamma():
+    """With several fixed γ the comparison takes, at each throughput, the best of them (their upper envelope)."""
+    from dspark_hf.load_bench import compare_curves
+
+    def curve(*pairs):
+        return [{"concurrency": 2**i, "aggregate_tok_s": a, "per_user_tok_s": u} for i, (a, u) in enumerate(pairs)]
+
+    fixed7 = curve((100, 100), (150, 75), (200, 50))
+    fixed2 = curve((90, 120), (160, 80), (240, 40))
+    sched = curve((100, 110), (175, 90), (250, 60))
+    targets = compare_curves({"fixed": fixed7, "fixed:2": fixed2, "scheduled": sched})
+    assert targets["batch1_best_fixed"] == "fixed:2" and targets["batch1_scheduled_ge_fixed"] is False
+    # 100 tok/s: fixed:2 interpolates to 114.3 > 100; 175: fixed:2 72.5 > fixed 62.5; 250: outside both
+    gains = targets["matched_throughput_gains"]
+    assert [(g["aggregate_tok_s"], g["vs"]) for g in gains] == [(100, "fixed:2"), (175, "fixed:2")]
+    assert targets["best_matched_gain"] == pytest.approx(90 / 72.5 - 1)
+
+
+@pytest.mark.parametrize(
+    "name, expected", [("plain", (None, None)), ("fixed", ("fixed", None)), ("fixed:3", ("fixed", 3)),
+                       ("scheduled", ("scheduler", None))]  # fmt: skip
+)
+def test_parse_load_configuration(name, expected):
+    from dspark_hf.load_bench import parse_configuration
+
+    assert parse_configuration(name, block_size=7) == expected
+
+
+@pytest.mark.parametrize("name", ["fixed:0", "fixed:8", "fixed:x", "scheduled:2", "greedy"])
+def test_bad_load_configuration(name):
+    from dspark_hf.load_bench import parse_configuration
+
+    with pytest.raises(ValueError, match="fixed:K|1..7"):
+        parse_configuration(name, block_size=7)
 
 
 @pytest.mark.slow

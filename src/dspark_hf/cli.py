@@ -151,6 +151,7 @@ def cmd_serve(args) -> int:
         tokenizer=tokenizer,
         max_batch_size=args.max_batch_size,
         verify_policy=args.verify_policy,
+        num_assistant_tokens=args.num_assistant_tokens,
     )
     server = DSparkServer(engine, tokenizer, host=args.host, port=args.port, model_name=_model_name(args))
     mode = "plain decoding" if args.plain else f"DSpark ({args.verify_policy or drafter.config.verify_policy})"
@@ -195,7 +196,7 @@ def add_load_bench_args(bench) -> None:
     group = bench.add_argument_group("load benchmark (--serve)")
     group.add_argument("--serve", action="store_true", help="drive an HTTP server with concurrent clients instead")
     group.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated numbers of concurrent clients")
-    group.add_argument("--configs", default="plain,fixed,scheduled", help="comma-separated: plain, fixed, scheduled")
+    group.add_argument("--configs", default="plain,fixed,scheduled", help="comma-separated: plain, fixed (γ = the drafter's block), fixed:K (γ = K), scheduled")
     group.add_argument("--requests-per-client", type=int, default=2, help="closed-loop requests per client")
     group.add_argument("--png", default="load_bench.png", help="per-user vs aggregate tok/s plot ('' for none)")
     group.add_argument("--url", default=None, help="drive an already running server (one curve) instead")
@@ -448,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the target's)")
     serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
     serve.add_argument("--verify-policy", choices=["threshold", "fixed", "scheduler"], default=None)
+    serve.add_argument("--num-assistant-tokens", type=int, default=None, help="most drafts per round (default: block)")
     serve.add_argument("--plain", action="store_true", help="plain decoding, no drafter (a baseline)")
     add_models(serve)
     serve.set_defaults(func=cmd_serve)

@@ -86,6 +86,8 @@ class Engine:
             confidence head every policy verifies the whole block.
         sps: Algorithm 1's profile {verify_batch_tokens: steps_per_second} or a callable; None uses
             `profiling.sps_for` (the checkpoint's sps_profile.json, else a quick profile).
+        num_assistant_tokens: the most drafts a request examines per round (transformers' name), 1..block size;
+            None = the drafter's whole block. With "fixed" this is fixed γ: a shorter γ from the same block pass.
         compact_fraction: compact a cache when more than this fraction of its slots are holes.
     """
 
@@ -98,6 +100,7 @@ class Engine:
         max_batch_size: int = 8,
         verify_policy: str | None = None,
         sps: SPS | None = None,
+        num_assistant_tokens: int | None = None,
         compact_fraction: float = 0.5,
     ):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -117,6 +120,7 @@ class Engine:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keeps_logits = "logits_to_keep" in params
         self.policy = self._setup_drafter(drafter, tokenizer, verify_policy, sps)
+        self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.target_cache = RaggedCache(self.device)
         self.drafter_cache = RaggedCache(self.device)
         self.rows: list[_Row] = []
@@ -168,6 +172,18 @@ class Engine:
             self.sps = _covering_sps(sps if sps is not None else sps_for(drafter, self.target),
                                      self.max_batch_size * (self.block_size + 1))  # fmt: skip
         return policy
+
+    def _check_num_assistant_tokens(self, value: int | None) -> int:
+        if value is None:
+            return self.block_size
+        if self.drafter is None:
+            raise ValueError(f"num_assistant_tokens={value!r} needs a drafter; plain decoding drafts nothing.")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.block_size:
+            raise ValueError(
+                f"`num_assistant_tokens` must be an int in 1..{self.block_size} (the drafter's block size), "
+                f"got {value!r}."
+            )
+        return value
 
     # -- requests -----------------------------------------------------------------------------------------------
 
@@ -350,10 +366,11 @@ class Engine:
 
         hidden (B, γ, d). For k = 1..K: the confidence of position k from [h_k; x_{k-1}] (before x_k exists), then
         x_k from processors(U_k + B_k(x_{k-1})): argmax, or a draw from the row's own generator. Row r examines
-        `cap_r = min(γ, remaining_r - 1)` positions (it cannot commit more: the bonus takes the last slot).
+        `cap_r = min(num_assistant_tokens, remaining_r - 1)` positions (it cannot commit more: the bonus takes the
+        last slot).
         """
         requests = [row.request for row in self.rows]
-        caps = [min(self.block_size, r.remaining - 1) for r in requests]
+        caps = [min(self.num_assistant_tokens, r.remaining - 1) for r in requests]
         steps = max(caps)
         prev = torch.tensor([[row.seq[-1]] for row in self.rows], device=hidden.device)  # (B, 1): the anchors
         tokens = prev.new_zeros(len(requests), steps)
@@ -593,6 +610,7 @@ class Engine:
             active=len(self.rows),
             waiting=len(self._waiting),
             verify_policy=self.policy,
+            num_assistant_tokens=self.num_assistant_tokens,
         )
         return c
 

@@ -1,6 +1,7 @@
 """Closed-loop load benchmark over loopback HTTP: per-user speed against aggregate throughput (DSpark's Fig. 7).
 
-For each configuration (`plain` decoding, `fixed` γ = the drafter's block, `scheduled` = Algorithm 1) an in-process
+For each configuration (`plain` decoding, `fixed` γ = the drafter's block, `fixed:K` γ = K drafts of that block,
+`scheduled` = Algorithm 1) an in-process
 `DSparkServer` is started on a free port, and for each concurrency C, C clients send streaming requests back to
 back (closed loop: a client sends its next request as soon as the previous one ends) for `requests_per_client`
 requests each. Per request: tokens from `usage`, time to first token, decode speed `(n - 1) / (t_last - t_first)`
@@ -35,6 +36,21 @@ BUILTIN_PROMPTS = [
     {"messages": [{"role": "user", "content": "How does a hash table work? Keep it short."}]},
     {"messages": [{"role": "user", "content": "Write a haiku about autumn leaves."}]},
 ]
+
+
+def parse_configuration(name: str, block_size: int | None) -> tuple[str | None, int | None]:
+    """`plain` | `fixed` | `fixed:K` | `scheduled` -> (Engine verify_policy, num_assistant_tokens)."""
+    base, _, gamma = name.partition(":")
+    if base not in CONFIGURATIONS or (gamma and base != "fixed"):
+        raise ValueError(
+            f"Unknown load-benchmark configuration {name!r}; choose from {list(CONFIGURATIONS)} or fixed:K "
+            "(K drafts per round, e.g. fixed:2)."
+        )
+    if not gamma:
+        return CONFIGURATIONS[base], None
+    if not gamma.isdigit() or not 1 <= int(gamma) <= (block_size or 0):
+        raise ValueError(f"{name!r}: K must be an int in 1..{block_size} (the drafter's block size).")
+    return "fixed", int(gamma)
 
 
 def request_payload(record: dict, max_tokens: int) -> tuple[str, dict]:
@@ -161,19 +177,18 @@ def run_load_benchmark(
     from .engine import Engine
     from .serving import DSparkServer
 
-    unknown = [c for c in configurations if c not in CONFIGURATIONS]
-    if unknown:
-        raise ValueError(f"Unknown load-benchmark configuration {unknown[0]!r}; choose from {list(CONFIGURATIONS)}.")
+    block_size = drafter.config.block_size if drafter is not None else None
+    settings = {name: parse_configuration(name, block_size) for name in configurations}  # all checked up front
     records = records or BUILTIN_PROMPTS
     curves = {}
-    for name in configurations:
-        policy = CONFIGURATIONS[name]
+    for name, (policy, gamma) in settings.items():
         engine = Engine(
             target,
             None if policy is None else drafter,
             tokenizer=tokenizer,
             max_batch_size=max(concurrencies),
             verify_policy=policy,
+            num_assistant_tokens=gamma,
         )
         with DSparkServer(engine, tokenizer, port=0, model_name=model_name) as server:
             curves[name] = run_curve(server.url, records, concurrencies, requests_per_client, max_tokens, progress)
@@ -182,7 +197,7 @@ def run_load_benchmark(
         "requests_per_client": requests_per_client,
         "max_tokens": max_tokens,
         "num_prompts": len(records),
-        "block_size": drafter.config.block_size if drafter is not None else None,
+        "block_size": block_size,
         "untrained_drafter": bool(getattr(drafter, "is_untrained", False)),
         "labels": {name: _label(name, drafter) for name in configurations},
         "curves": curves,
@@ -191,8 +206,8 @@ def run_load_benchmark(
 
 
 def _label(name: str, drafter) -> str:
-    if name == "fixed":
-        return f"fixed γ={drafter.config.block_size}"
+    if name.startswith("fixed"):
+        return f"fixed γ={name.partition(':')[2] or drafter.config.block_size}"
     return "scheduled (Algorithm 1)" if name == "scheduled" else name
 
 
@@ -206,23 +221,34 @@ def _interpolate(points: list[dict], aggregate: float) -> float | None:
 
 
 def compare_curves(curves: dict) -> dict:
-    """The load-benchmark targets: scheduled vs fixed γ per-user speed at batch 1, and at matched throughput."""
-    if "scheduled" not in curves or "fixed" not in curves:
+    """The load-benchmark targets, against the best fixed γ (curves `fixed` and `fixed:K`): scheduled per-user speed
+    at batch 1, and at matched throughput (the upper envelope of the fixed curves at the same aggregate tok/s)."""
+    fixed = {name: pts for name, pts in curves.items() if name.partition(":")[0] == "fixed"}
+    if "scheduled" not in curves or not fixed:
         return {}
-    sched, fixed = curves["scheduled"], curves["fixed"]
-    at_one = {
-        name: next((p["per_user_tok_s"] for p in pts if p["concurrency"] == 1), None)
-        for name, pts in (("scheduled", sched), ("fixed", fixed))
-    }
+    sched = curves["scheduled"]
+
+    def at_one(pts):
+        return next((p["per_user_tok_s"] for p in pts if p["concurrency"] == 1), None)
+
+    fixed_at_one = {name: at_one(pts) for name, pts in fixed.items()}
+    known = {name: v for name, v in fixed_at_one.items() if v is not None}
+    best_fixed = max(known, key=known.get) if known else None
     gains = []
     for p in sched:
-        base = _interpolate(fixed, p["aggregate_tok_s"])
-        if base and p["per_user_tok_s"] is not None:
-            gains.append({"aggregate_tok_s": p["aggregate_tok_s"], "gain": p["per_user_tok_s"] / base - 1})
+        matched = {name: _interpolate(pts, p["aggregate_tok_s"]) for name, pts in fixed.items()}
+        matched = {name: v for name, v in matched.items() if v}
+        if matched and p["per_user_tok_s"] is not None:
+            name = max(matched, key=matched.get)
+            gains.append(
+                {"aggregate_tok_s": p["aggregate_tok_s"], "gain": p["per_user_tok_s"] / matched[name] - 1, "vs": name}
+            )
     best = max(gains, key=lambda g: g["gain"], default=None)
-    ok_one = None if None in at_one.values() else at_one["scheduled"] >= at_one["fixed"]
+    sched_one = at_one(sched)
+    ok_one = None if sched_one is None or best_fixed is None else sched_one >= known[best_fixed]
     return {
-        "batch1_per_user_tok_s": at_one,
+        "batch1_per_user_tok_s": {"scheduled": sched_one, **fixed_at_one},
+        "batch1_best_fixed": best_fixed,
         "batch1_scheduled_ge_fixed": ok_one,
         "matched_throughput_gains": gains,
         "best_matched_gain": None if best is None else best["gain"],
@@ -273,7 +299,8 @@ def format_load_summary(result: dict) -> str:
     if t:
         gain = t["best_matched_gain"]
         lines.append(
-            f"batch 1: scheduled >= fixed: {t['batch1_scheduled_ge_fixed']}   best per-user gain at matched "
+            f"batch 1: scheduled >= best fixed ({t['batch1_best_fixed']}): {t['batch1_scheduled_ge_fixed']}   "
+            f"best per-user gain at matched "
             f"throughput: {'-' if gain is None else f'{100 * gain:+.0f}%'} (target +30%: {t['matched_gain_ge_30pct']})"
         )
     return "\n".join(lines)
@@ -286,4 +313,4 @@ def write_load_result(result: dict, json_path=None, png_path=None) -> None:
         plot_load(result, png_path)
 
 
-__all__ = ["BUILTIN_PROMPTS", "compare_curves", "plot_load", "run_curve", "run_load_benchmark", "run_point"]
+__all__ = ["BUILTIN_PROMPTS", "compare_curves", "parse_configuration", "plot_load", "run_curve", "run_load_benchmark", "run_point"]
