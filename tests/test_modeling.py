@@ -167,3 +167,28 @@ def test_stats_per_position_and_tau():
     assert stats.per_position_acceptance == [0.75, 0.5, 1.0]
     with pytest.raises(ValueError):
         stats.record_step(2, 3)
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 32), (3, 32), (2, 9, 32), (1, 0, 32), (40, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_few_rows_equals_linear(shape, with_bias):
+    from dspark_hf.utils import linear_few_rows
+
+    x, weight = torch.randn(*shape), torch.randn(50, 32)
+    bias = torch.randn(50) if with_bias else None
+    out = linear_few_rows(x, weight, bias)
+    assert out.shape == (*shape[:-1], 50) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+
+
+def test_base_logits_equal_the_lm_head_and_respect_its_hooks(target, drafter):
+    lm_head = target.get_output_embeddings()
+    hidden = torch.randn(1, drafter.config.block_size, target.config.hidden_size)
+    torch.testing.assert_close(drafter.base_logits(hidden, lm_head), lm_head(hidden))
+    calls = []
+    handle = lm_head.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    try:  # a hooked head (accelerate offloading, quantisation wrappers) is called as a module, hooks and all
+        drafter.base_logits(hidden, lm_head)
+    finally:
+        handle.remove()
+    assert calls == [(1, drafter.config.block_size, target.config.vocab_size)]

@@ -35,6 +35,7 @@ from transformers.utils import logging
 
 from .configuration_dspark import DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, DSparkConfidenceHead, survival_probabilities
+from .utils import linear_few_rows
 
 
 logger = logging.get_logger(__name__)
@@ -219,11 +220,14 @@ class DrafterMixin:
         With `vocab_ids` (V',) only those columns are computed, (B, K, V'): training on a vocabulary shortlist.
         """
         hidden_states = hidden_states.to(lm_head.weight.dtype)
-        if vocab_ids is None:
+        plain = type(lm_head) is nn.Linear and not (lm_head._forward_hooks or lm_head._forward_pre_hooks)
+        if vocab_ids is None and not plain:  # a quantised or hooked (offloaded) head computes itself
             logits = lm_head(hidden_states).float()
         else:
-            bias = lm_head.bias[vocab_ids] if getattr(lm_head, "bias", None) is not None else None
-            logits = nn.functional.linear(hidden_states, lm_head.weight[vocab_ids], bias).float()
+            weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+            if vocab_ids is not None:
+                weight, bias = weight[vocab_ids], None if bias is None else bias[vocab_ids]
+            logits = linear_few_rows(hidden_states, weight, bias).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -1,9 +1,12 @@
-"""Small shared helpers: atomic file writes (nothing a user saved is ever half-written), JSONL reading."""
+"""Small shared helpers: atomic file writes (nothing a user saved is ever half-written), JSONL reading, a linear
+map for few rows."""
 
 import json
 import os
 import tempfile
 from pathlib import Path
+
+import torch
 
 
 def atomic_write_json(obj, path: str | os.PathLike) -> None:
@@ -34,3 +37,22 @@ def read_jsonl(path: str | os.PathLike):
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno} is not valid JSON ({err}).") from err
+
+
+FEW_ROWS = 16
+
+
+def linear_few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, (..., d) -> (..., n), computed on CPU as `(weight @ x.T).T` for <= 16 rows.
+
+    CPU GEMM is slow with few rows on the left: the (7, 576) x (576, 49152) LM-head product of one draft block
+    took 35 ms as `F.linear` and 14 ms with the weight on the left on a 2-core x86 CPU (torch 2.13; 2 rows: 24
+    against 5 ms). The values agree up to float rounding; more rows and other devices take `F.linear`.
+    """
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type != "cpu" or not 0 < rows <= FEW_ROWS:
+        return torch.nn.functional.linear(x, weight, bias)
+    out = (weight @ x.reshape(rows, x.shape[-1]).T).T
+    if bias is not None:
+        out = out + bias
+    return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
