@@ -55,17 +55,21 @@ def pin_engine_drafter(engine: Engine, references: dict[tuple, list[int]], diver
     `diverge_at=k` (or {prompt: k}) the draft at block slot k is wrong, so at most k drafts survive a round."""
     drafter = engine.drafter
     vocab = drafter.config.vocab_size
+    seen = {"round": None, "slot": 0}  # the engine may ask for a block's base logits in pieces, in order
 
     def base_logits(hidden_states, lm_head, *args):
         bsz, k = hidden_states.shape[:2]
+        if seen["round"] != engine.stats["rounds"]:
+            seen.update(round=engine.stats["rounds"], slot=0)
+        first, seen["slot"] = seen["slot"], seen["slot"] + k
         logits = torch.full((bsz, k, vocab), -1e4)
         for i, row in enumerate(engine.rows):  # the engine's rows are the batch rows, in order
             prompt = tuple(row.request.prompt_ids)
-            ref, start = references[prompt], len(row.seq)
+            ref, start = references[prompt], len(row.seq) + first
             pinned = [ref[start + j] if start + j < len(ref) else 0 for j in range(k)]
             wrong = diverge_at.get(prompt) if isinstance(diverge_at, dict) else diverge_at
-            if wrong is not None and wrong < k:
-                pinned[wrong] = (pinned[wrong] + 1) % vocab
+            if wrong is not None and 0 <= wrong - first < k:
+                pinned[wrong - first] = (pinned[wrong - first] + 1) % vocab
             logits[i, torch.arange(k), torch.tensor(pinned)] = 1e4
         return logits
 

@@ -22,6 +22,7 @@ identically distributed under sampling (per-request `torch.Generator`, seeded by
 
 import inspect
 import itertools
+import math
 import operator
 import threading
 from collections import deque
@@ -35,7 +36,7 @@ from .configuration_dspark import VERIFY_POLICIES
 from .generation import is_dspark_drafter
 from .ragged_cache import RaggedCache
 from .request import Request, check_sampling_settings, prompt_token_ids
-from .scheduler import SPS, _sps_lookup, prefix_schedule
+from .scheduler import SPS, _sps_lookup, prefix_schedule, settled_prefix_schedule
 
 
 logger = logging.get_logger(__name__)
@@ -367,7 +368,9 @@ class Engine:
         hidden (B, γ, d). For k = 1..K: the confidence of position k from [h_k; x_{k-1}] (before x_k exists), then
         x_k from processors(U_k + B_k(x_{k-1})): argmax, or a draw from the row's own generator. Row r examines
         `cap_r = min(num_assistant_tokens, remaining_r - 1)` positions (it cannot commit more: the bonus takes the
-        last slot).
+        last slot). "threshold" and "scheduler" stop sampling once the positions seen settle every row's verify
+        length (`_settled`): under load Algorithm 1 often verifies 0-1 drafts per row, and the rest of the block
+        would be sampled for nothing.
         """
         requests = [row.request for row in self.rows]
         caps = [min(self.num_assistant_tokens, r.remaining - 1) for r in requests]
@@ -376,29 +379,56 @@ class Engine:
         tokens = prev.new_zeros(len(requests), steps)
         if steps == 0:
             return _Block(tokens, None, caps, [[] for _ in requests])
-        base = self.drafter.base_logits(hidden[:, :steps], self.lm_head)  # (B, K, V), one LM-head matmul
-        logits_out = base.new_zeros(base.shape) if any(r.do_sample for r in requests) else None
+        # One LM-head product for the block; a policy that can stop early takes the first two positions first
+        first = steps if self.policy == "fixed" else min(2, steps)
+        base = self.drafter.base_logits(hidden[:, :first], self.lm_head)  # (B, K', V)
+        logits_out = base.new_zeros(len(requests), steps, base.shape[-1]) if any(r.do_sample for r in requests) else None
         conditional, state = [], None
         for k in range(steps):
+            if k == base.shape[1]:
+                base = torch.cat([base, self.drafter.base_logits(hidden[:, k:steps], self.lm_head)], dim=1)
             h_k = hidden[:, k : k + 1]
             conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1) or None without a confidence head
             if conf is not None:
-                conditional.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))  # STS-calibrated c_k
+                conditional.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]).tolist())  # STS-calibrated c_k
             bias, state = self.drafter.sequential_bias(prev, h_k, state)
             logits = self._warp(base[:, k] if bias is None else base[:, k] + bias[:, 0], requests)  # (B, V)
             tokens[:, k] = self._choose(logits, requests, live=[k < cap for cap in caps])
             if logits_out is not None:
                 logits_out[:, k] = logits
             prev = tokens[:, k : k + 1]
-        conditional = torch.stack(conditional, dim=1).tolist() if conditional else [[] for _ in requests]
-        return _Block(tokens, logits_out, caps, [c[:cap] for c, cap in zip(conditional, caps)])
+            if conf is not None and k + 1 < steps and self._settled(conditional, caps) is not None:
+                break  # no later position can be verified: the rest of the block is not sampled
+        seen = [list(c) for c in zip(*conditional)] if conditional else [[] for _ in requests]
+        return _Block(tokens, logits_out, caps, [c[:cap] for c, cap in zip(seen, caps)])
+
+    def _settled(self, conditional: list[list[float]], caps: list[int]) -> list[int] | None:
+        """The verify lengths once the positions sampled so far decide them (None while a later one may count).
+
+        conditional[k][r]: c_{r,k+1} for the K positions sampled so far. The survivals a_{r,K} of rows with
+        positions left bound every later survival; "threshold" is settled when they are all below the threshold,
+        Algorithm 1 when its greedy stops above them (`settled_prefix_schedule`). "fixed" never stops early.
+        """
+        seen = len(conditional)
+        rows = [[c[r] for c in conditional[: caps[r]]] for r in range(len(caps))]
+        survival = [math.prod(c) for c in rows]
+        bound = max((a for a, cap in zip(survival, caps) if cap > seen), default=0.0)
+        if self.policy == "threshold":
+            return None if bound >= self.drafter.config.confidence_threshold else self._threshold_lengths(rows)
+        if self.policy == "scheduler":
+            return settled_prefix_schedule(rows, self.sps, bound)
+        return None
+
+    def _threshold_lengths(self, confidences: list[list[float]]) -> list[int]:
+        threshold = self.drafter.config.confidence_threshold
+        survival = [itertools.accumulate(c, operator.mul) for c in confidences]
+        return [sum(1 for _ in itertools.takewhile(lambda a: a >= threshold, s)) for s in survival]
 
     def _schedule(self, block: _Block) -> _Block:
         """Verify lengths ℓ_r <= cap_r per the policy. Each decides position k from survivals of positions <= k
         (and, for Algorithm 1, other rows' survivals), never from x_k itself: the cut stays lossless."""
         if self.policy == "threshold":
-            threshold = self.drafter.config.confidence_threshold
-            block.lengths = [sum(1 for _ in itertools.takewhile(lambda a: a >= threshold, s)) for s in block.survival]
+            block.lengths = self._threshold_lengths(block.confidences)
         elif self.policy == "scheduler":
             block.lengths = prefix_schedule(block.confidences, self.sps)
         return block  # "fixed": the whole (capped) block

@@ -33,6 +33,18 @@ def prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS) -> list[in
     sps: verify-batch token count B (anchors included) -> target steps per second.
     Returns ℓ_r for every request.
     """
+    return settled_prefix_schedule(confidences, sps, unseen_bound=0.0)
+
+
+def settled_prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS, unseen_bound: float) -> list[int] | None:
+    """Algorithm 1 on the positions seen so far, or None while positions not yet seen could still change it.
+
+    Lets a drafter stop sampling a block early: `confidences[r]` holds the positions of request r sampled so far,
+    and `unseen_bound` is the largest cumulative survival a position not yet sampled can have (the largest last
+    seen survival of the requests that have positions left; 0 when none have). The greedy admits candidates in
+    order of survival, so once it stops at, or finishes on, a candidate above the bound, no unseen one can come
+    first, and the result is exactly `prefix_schedule` of the whole block.
+    """
     lookup = _sps_lookup(sps)
     candidates = []
     for r, conf in enumerate(confidences):
@@ -50,13 +62,15 @@ def prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS) -> list[in
     batch, expected = n_requests, float(n_requests)  # every request verifies its anchor and gains a bonus token
     best_theta = expected * lookup(batch)
     for survival, r, j in candidates:
+        if survival <= unseen_bound:
+            return None  # an unseen candidate may come before this one
         lengths[r], batch, expected = j, batch + 1, expected + survival
         theta = expected * lookup(batch)
         if theta > best_theta:
             best_theta, best = theta, list(lengths)
         else:
-            break  # early stop: required for losslessness
-    return best
+            return best  # early stop: required for losslessness
+    return best if unseen_bound <= 0 else None
 
 
 class PrefixAdmission:
@@ -99,4 +113,4 @@ def build_admission(config, sps: SPS | None = None) -> Callable[[int, float], bo
     return PrefixAdmission(sps)
 
 
-__all__ = ["PrefixAdmission", "build_admission", "prefix_schedule", "threshold_admission"]
+__all__ = ["PrefixAdmission", "build_admission", "prefix_schedule", "settled_prefix_schedule", "threshold_admission"]
