@@ -3,7 +3,13 @@
 import pytest
 
 from dspark_hf import DSparkConfig
-from dspark_hf.scheduler import PrefixAdmission, build_admission, prefix_schedule, threshold_admission
+from dspark_hf.scheduler import (
+    PrefixAdmission,
+    build_admission,
+    prefix_schedule,
+    settled_prefix_schedule,
+    threshold_admission,
+)
 
 
 def test_flat_sps_admits_the_whole_block():
@@ -92,3 +98,34 @@ def test_threshold_and_build_admission():
     with pytest.raises(ValueError, match="steps-per-second profile"):
         build_admission(DSparkConfig(verify_policy="scheduler"))
     assert isinstance(build_admission(DSparkConfig(verify_policy="scheduler"), {1: 1.0, 2: 1.0}), PrefixAdmission)
+
+
+@pytest.mark.parametrize("profile", ["flat", "loaded", "steep"])
+def test_a_settled_partial_schedule_is_the_whole_blocks_schedule(profile):
+    """Seeing positions 1..K of every row (rows with shorter caps end earlier), `settled_prefix_schedule` either
+    defers (None) or returns exactly `prefix_schedule` of the whole block; with everything seen it never defers."""
+    import math
+    import random
+
+    sps = {
+        "flat": {b: 100.0 for b in range(1, 200)},
+        "loaded": {b: 100.0 / (1 + b / 12) for b in range(1, 200)},
+        "steep": {b: 100.0 / b for b in range(1, 200)},
+    }[profile]
+    rng = random.Random(0)
+    settled_early = 0
+    for _ in range(200):
+        caps = [rng.randint(1, 7) for _ in range(rng.randint(1, 6))]
+        full = [[rng.choice([rng.random(), rng.uniform(0.8, 1.0), 0.0]) for _ in range(cap)] for cap in caps]
+        expected = prefix_schedule(full, sps)
+        for seen in range(1, max(caps) + 1):
+            partial = [c[:seen] for c in full]
+            bound = max((math.prod(c) for c, cap in zip(partial, caps) if cap > seen), default=0.0)
+            got = settled_prefix_schedule(partial, sps, bound)
+            assert got is None or got == expected, (full, seen)
+            if got is not None:
+                settled_early += seen < max(caps)
+                break
+        assert got == expected  # with every position seen (bound 0) it always settles
+    if profile != "flat":  # where verification costs, most blocks are decided before their end
+        assert settled_early > 0
