@@ -245,6 +245,17 @@ def test_steep_sps_profile_verifies_less(target):
     assert lengths["steep"] < lengths["flat"]
 
 
+def test_scheduler_stops_sampling_once_the_lengths_are_settled(target):
+    """Under a compute-bound profile Algorithm 1 verifies little, and the engine stops sampling a block there
+    (before its last position) instead of running the sequential head to the end; outputs stay the plain ones."""
+    prompts = random_prompts([3, 8, 5, 13])
+    engine = make_engine(target, "scheduler", sps=STEEP_SPS)
+    early, settled = [], engine._settled
+    engine._settled = lambda conditional, caps: early.append(settled(conditional, caps)) or early[-1]
+    assert engine.generate(prompts, max_new_tokens=12) == [plain_output(target, p, 12) for p in prompts]
+    assert any(lengths is not None for lengths in early)  # it is only asked before a block's last position
+
+
 # -- streaming, background loop, abort ----------------------------------------------------------------------------
 
 
