@@ -196,7 +196,11 @@ def add_load_bench_args(bench) -> None:
     group = bench.add_argument_group("load benchmark (--serve)")
     group.add_argument("--serve", action="store_true", help="drive an HTTP server with concurrent clients instead")
     group.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated numbers of concurrent clients")
-    group.add_argument("--configs", default="plain,fixed,scheduled", help="comma-separated: plain, fixed (γ = the drafter's block), fixed:K (γ = K), scheduled")
+    group.add_argument(
+        "--configs",
+        default="plain,fixed,scheduled",
+        help="comma-separated: plain, fixed (γ = the drafter's block), fixed:K (γ = K), scheduled",
+    )
     group.add_argument("--requests-per-client", type=int, default=2, help="closed-loop requests per client")
     group.add_argument("--png", default="load_bench.png", help="per-user vs aggregate tok/s plot ('' for none)")
     group.add_argument("--url", default=None, help="drive an already running server (one curve) instead")

@@ -382,7 +382,8 @@ class Engine:
         # One LM-head product for the block; a policy that can stop early takes the first two positions first
         first = steps if self.policy == "fixed" else min(2, steps)
         base = self.drafter.base_logits(hidden[:, :first], self.lm_head)  # (B, K', V)
-        logits_out = base.new_zeros(len(requests), steps, base.shape[-1]) if any(r.do_sample for r in requests) else None
+        sampling = any(r.do_sample for r in requests)
+        logits_out = base.new_zeros(len(requests), steps, base.shape[-1]) if sampling else None
         conditional, state = [], None
         for k in range(steps):
             if k == base.shape[1]:

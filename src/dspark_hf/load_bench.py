@@ -1,11 +1,10 @@
 """Closed-loop load benchmark over loopback HTTP: per-user speed against aggregate throughput (DSpark's Fig. 7).
 
 For each configuration (`plain` decoding, `fixed` γ = the drafter's block, `fixed:K` γ = K drafts of that block,
-`scheduled` = Algorithm 1) an in-process
-`DSparkServer` is started on a free port, and for each concurrency C, C clients send streaming requests back to
-back (closed loop: a client sends its next request as soon as the previous one ends) for `requests_per_client`
-requests each. Per request: tokens from `usage`, time to first token, decode speed `(n - 1) / (t_last - t_first)`
-and the server-reported mean verify length. Per point: the mean per-user decode speed and the aggregate rate
+`scheduled` = Algorithm 1) an in-process `DSparkServer` is started on a free port, and for each concurrency C, C
+clients send streaming requests back to back (closed loop: a client sends its next request as soon as the previous
+one ends) for `requests_per_client` requests each. Per request: tokens from `usage`, time to first token, decode
+speed `(n - 1) / (t_last - t_first)` and the server-reported mean verify length. Per point: the mean per-user decode speed and the aggregate rate
 `Σ tokens / (end of the last request − start)`.
 """
 
@@ -313,4 +312,12 @@ def write_load_result(result: dict, json_path=None, png_path=None) -> None:
         plot_load(result, png_path)
 
 
-__all__ = ["BUILTIN_PROMPTS", "compare_curves", "parse_configuration", "plot_load", "run_curve", "run_load_benchmark", "run_point"]
+__all__ = [
+    "BUILTIN_PROMPTS",
+    "compare_curves",
+    "parse_configuration",
+    "plot_load",
+    "run_curve",
+    "run_load_benchmark",
+    "run_point",
+]
