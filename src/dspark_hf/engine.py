@@ -398,13 +398,13 @@ class Engine:
             if logits_out is not None:
                 logits_out[:, k] = logits
             prev = tokens[:, k : k + 1]
-            if conf is not None and k + 1 < steps and self._settled(conditional, caps) is not None:
+            if conf is not None and k + 1 < steps and self._settled(conditional, caps):
                 break  # no later position can be verified: the rest of the block is not sampled
         seen = [list(c) for c in zip(*conditional)] if conditional else [[] for _ in requests]
         return _Block(tokens, logits_out, caps, [c[:cap] for c, cap in zip(seen, caps)])
 
-    def _settled(self, conditional: list[list[float]], caps: list[int]) -> list[int] | None:
-        """The verify lengths once the positions sampled so far decide them (None while a later one may count).
+    def _settled(self, conditional: list[list[float]], caps: list[int]) -> bool:
+        """Whether the positions sampled so far already decide every row's verify length.
 
         conditional[k][r]: c_{r,k+1} for the K positions sampled so far. The survivals a_{r,K} of rows with
         positions left bound every later survival; "threshold" is settled when they are all below the threshold,
@@ -412,13 +412,12 @@ class Engine:
         """
         seen = len(conditional)
         rows = [[c[r] for c in conditional[: caps[r]]] for r in range(len(caps))]
-        survival = [math.prod(c) for c in rows]
-        bound = max((a for a, cap in zip(survival, caps) if cap > seen), default=0.0)
+        bound = max((math.prod(c) for c, cap in zip(rows, caps) if cap > seen), default=0.0)
         if self.policy == "threshold":
-            return None if bound >= self.drafter.config.confidence_threshold else self._threshold_lengths(rows)
+            return bound < self.drafter.config.confidence_threshold
         if self.policy == "scheduler":
-            return settled_prefix_schedule(rows, self.sps, bound)
-        return None
+            return settled_prefix_schedule(rows, self.sps, bound) is not None
+        return False
 
     def _threshold_lengths(self, confidences: list[list[float]]) -> list[int]:
         threshold = self.drafter.config.confidence_threshold
