@@ -419,16 +419,12 @@ class Engine:
             return settled_prefix_schedule(rows, self.sps, bound) is not None
         return False
 
-    def _threshold_lengths(self, confidences: list[list[float]]) -> list[int]:
-        threshold = self.drafter.config.confidence_threshold
-        survival = [itertools.accumulate(c, operator.mul) for c in confidences]
-        return [sum(1 for _ in itertools.takewhile(lambda a: a >= threshold, s)) for s in survival]
-
     def _schedule(self, block: _Block) -> _Block:
         """Verify lengths ℓ_r <= cap_r per the policy. Each decides position k from survivals of positions <= k
         (and, for Algorithm 1, other rows' survivals), never from x_k itself: the cut stays lossless."""
         if self.policy == "threshold":
-            block.lengths = self._threshold_lengths(block.confidences)
+            threshold = self.drafter.config.confidence_threshold
+            block.lengths = [sum(1 for _ in itertools.takewhile(lambda a: a >= threshold, s)) for s in block.survival]
         elif self.policy == "scheduler":
             block.lengths = prefix_schedule(block.confidences, self.sps)
         return block  # "fixed": the whole (capped) block
