@@ -1,5 +1,6 @@
 """The batched `Engine`: each request's output is its own plain output, whatever else shares the batch."""
 
+import itertools
 import threading
 import weakref
 
@@ -43,9 +44,13 @@ def plain_output(target, prompt, max_new_tokens, eos_token_id=None) -> list[int]
 
 
 def make_engine(target, policy, drafter=None, sps=FLAT_SPS, **kwargs) -> Engine:
+    """An engine for `policy`; under "scheduler" the draft gate is off unless asked for (its decisions follow the
+    measured draft time, which would make which rounds draft depend on the machine)."""
     if policy == "plain":
         return Engine(target, **kwargs)
     drafter = drafter if drafter is not None else make_drafter(target)
+    if policy == "scheduler":
+        kwargs = {"gate_drafts": False, **kwargs}
     return Engine(target, drafter, verify_policy=policy, sps=sps if policy == "scheduler" else None, **kwargs)
 
 
@@ -256,6 +261,44 @@ def test_scheduler_stops_sampling_once_the_lengths_are_settled(target):
     assert any(early)  # it is only asked before a block's last position
 
 
+@pytest.mark.parametrize("draft_seconds", [None, 1.0, 0.0])
+def test_draft_gate_keeps_outputs_and_skips_drafts_that_cannot_pay(target, draft_seconds):
+    """The gate turns rounds into plain steps when a draft costs more than it can save (1 s against 10 ms
+    verifies: only the first round and the probes draft), not while drafts are free, and whatever it decides,
+    and however the measured cost falls, every output is the plain one."""
+    from dspark_hf.engine import PROBE_INTERVAL
+
+    prompts = random_prompts([3, 8, 5, 13])
+    engine = make_engine(target, "scheduler", gate_drafts=True, draft_seconds=draft_seconds)
+    pays, decisions = engine._drafting_pays, []
+    engine._drafting_pays = lambda: decisions.append((pays(), max(engine._caps()))) or decisions[-1][0]
+    assert engine.generate(prompts, max_new_tokens=30) == [plain_output(target, p, 30) for p in prompts]
+    rounds, gated = engine.stats["rounds"], engine.stats["gated_rounds"]
+    if draft_seconds == 0.0:  # skipped only where no row has room for a draft (each has one token left)
+        assert all(drafted or room == 0 for drafted, room in decisions)
+    if draft_seconds == 1.0:
+        assert gated >= rounds * PROBE_INTERVAL // (PROBE_INTERVAL + 1) - 1 and rounds - gated >= 2
+
+
+def test_draft_gate_leaves_the_context_for_the_next_draft(target):
+    """Rounds the gate skips still commit target features; the next draft pass appends all of them, so the drafter
+    cache always holds every committed position before the anchor when it drafts."""
+    prompts = random_prompts([3, 8, 5, 13])
+    costs = itertools.cycle([0.0, 1.0, 1.0])  # free, dear, dear: the gate opens every third round
+    engine = make_engine(target, "scheduler", gate_drafts=True, draft_seconds=lambda rows: next(costs))
+    draft, checked = engine._draft, []
+
+    def checked_draft():
+        hidden = draft()
+        assert engine.drafter_cache.lengths().tolist() == [row.anchor_position for row in engine.rows]
+        checked.append(len(engine.rows))
+        return hidden
+
+    engine._draft = checked_draft
+    assert engine.generate(prompts, max_new_tokens=30) == [plain_output(target, p, 30) for p in prompts]
+    assert engine.stats["gated_rounds"] > 0 and len(checked) > 2
+
+
 # -- streaming, background loop, abort ----------------------------------------------------------------------------
 
 
@@ -375,6 +418,13 @@ def test_bad_engine_arguments(target, drafter):
             Engine(target, drafter, num_assistant_tokens=bad)
     with pytest.raises(ValueError, match="needs a drafter"):
         Engine(target, num_assistant_tokens=2)
+    with pytest.raises(ValueError, match="gate_drafts=True needs verify_policy='scheduler'"):
+        Engine(target, drafter, verify_policy="threshold", gate_drafts=True)
+    with pytest.raises(TypeError, match="gate_drafts"):
+        Engine(target, drafter, verify_policy="scheduler", sps=FLAT_SPS, gate_drafts="yes")
+    for bad in (-1.0, "fast", True):
+        with pytest.raises(ValueError, match="draft_seconds"):
+            Engine(target, drafter, verify_policy="scheduler", sps=FLAT_SPS, draft_seconds=bad)
     other_target = make_target(num_layers=3)
     with pytest.raises(ValueError):
         Engine(other_target, drafter)  # the drafter was made for another target (config.check_target)
@@ -410,7 +460,7 @@ def test_accept_speculative_sampling_rules():
 # -- sampling: exactly the target's distribution per request -----------------------------------------------------
 
 
-def sample_groups(policy, n_per_group, sps=FLAT_SPS, max_batch_size=32):
+def sample_groups(policy, n_per_group, sps=FLAT_SPS, max_batch_size=32, **engine_kwargs):
     """Requests with two sampling settings interleaved in one engine; returns the first 3 tokens of each, per
     setting, and the exact target distributions under those settings."""
     from test_sampling import PROMPT, exact_joint, setup_models, warpers
@@ -418,7 +468,7 @@ def sample_groups(policy, n_per_group, sps=FLAT_SPS, max_batch_size=32):
     target, drafter = setup_models()
     settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)]
     probs = [exact_joint(target, warpers(**s)) for s in settings]
-    engine = make_engine(target, policy, drafter=drafter, sps=sps, max_batch_size=max_batch_size)
+    engine = make_engine(target, policy, drafter=drafter, sps=sps, max_batch_size=max_batch_size, **engine_kwargs)
     requests = [[], []]
     for seeds in range(10**5, 10**5 + 2 * n_per_group, 2):
         for group, setting in enumerate(settings):
@@ -445,13 +495,18 @@ def test_sampling_matches_target_distribution(policy):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "policy, sps",
-    [("plain", None), ("fixed", None), ("threshold", None), ("scheduler", FLAT_SPS), ("scheduler", "load")],
-)
+    [("plain", None), ("fixed", None), ("threshold", None), ("scheduler", FLAT_SPS), ("scheduler", "load"),
+     ("scheduler", "gated")],
+)  # fmt: skip
 def test_sampling_matches_target_distribution_many_samples(policy, sps):
+    """Also with the draft gate turning about half the rounds into plain steps (a draft costing 5 ms per row)."""
     from test_sampling import chi_square_rejects
 
-    sps = LOADED_SPS if sps == "load" else sps
-    samples, probs, engine = sample_groups(policy, 6000, sps=sps)
+    gated = {"gate_drafts": True, "draft_seconds": lambda rows: 0.005 * rows} if sps == "gated" else {}
+    sps = LOADED_SPS if sps in ("load", "gated") else sps
+    samples, probs, engine = sample_groups(policy, 6000, sps=sps, **gated)
+    if gated:
+        assert 0 < engine.stats["gated_rounds"] < engine.stats["rounds"]
     if policy != "plain":
         assert 0 < engine.stats["mean_verify_length"] < engine.block_size
     for group_samples, group_probs in zip(samples, probs):
@@ -529,6 +584,21 @@ def test_ragged_cache_compact_trim_select_extend():
     assert cache.batch_size == 4 and not bool(cache.valid[3].any()) and cache.cache.get_seq_length() == 6
     cache.select([])
     assert cache.batch_size == 0 and cache.num_slots == 0
+
+
+def test_ragged_cache_emptied_by_trim_keeps_its_batch_axis():
+    """Rows whose slots are all holes trim to no slots at all; selecting and extending rows afterwards must keep
+    K/V and `valid` on the same batch (transformers' `batch_select_indices` skips a layer with no tokens)."""
+    cache, _ = filled_cache([[0, 0], [0, 0], [0, 0]])
+    cache.trim()
+    assert cache.num_slots == 0
+    cache.select([0, 2])
+    cache.extend(RaggedCache("cpu", batch_size=2))
+    kv = torch.ones(4, 2, 1, 3)
+    for layer in range(2):
+        cache.cache.update(kv, -kv, layer)  # the next forward writes one slot for all 4 rows
+    cache.commit(torch.ones(4, 1, dtype=torch.bool))
+    assert cache.batch_size == 4 and all(k.shape[0] == 4 for k, *_ in cache.cache)
 
 
 def test_short_sps_profile_is_extended():

@@ -6,6 +6,7 @@ from dspark_hf import DSparkConfig
 from dspark_hf.scheduler import (
     PrefixAdmission,
     build_admission,
+    drafting_pays,
     prefix_schedule,
     settled_prefix_schedule,
     threshold_admission,
@@ -129,3 +130,26 @@ def test_a_settled_partial_schedule_is_the_whole_blocks_schedule(profile):
         assert got == expected  # with every position seen (bound 0) it always settles
     if profile != "flat":  # where verification costs, most blocks are decided before their end
         assert settled_early > 0
+
+
+def test_draft_gate_prices_the_draft_pass():
+    """One request, 100 ms per verify at 1 or 2 tokens, a draft expected to survive with 0.5: a round that drafts
+    commits 1.5 tokens in d + 0.1 s, a plain step 1 token in 0.1 s, so drafting pays exactly while d < 0.05 s."""
+    sps = {1: 10.0, 2: 10.0}
+    assert drafting_pays([[0.5]], sps, draft_seconds=0.04)
+    assert not drafting_pays([[0.5]], sps, draft_seconds=0.06)
+    assert drafting_pays([[0.5]], sps, draft_seconds=0.0)  # free drafts always pay when anything may survive
+    assert not drafting_pays([[0.0]], sps, draft_seconds=0.0)  # ... but not when nothing can
+    assert not drafting_pays([[], []], sps | {3: 10.0}, draft_seconds=0.0)  # rows with no room to draft
+
+
+def test_draft_gate_follows_the_load():
+    """The same confident drafts pay at batch 1 and stop paying when every extra verified token costs as much as a
+    row's step (a compute-bound batch), with the draft pass costing a fifth of a step."""
+    light = {b: 10.0 for b in range(1, 40)}
+    heavy = {b: 10.0 * 8 / max(b, 8) for b in range(1, 40)}  # flat up to 8 tokens, then time grows with B
+    confident = [0.9, 0.8, 0.7]
+    assert drafting_pays([confident], light, draft_seconds=0.02)
+    assert not drafting_pays([confident] * 8, heavy, draft_seconds=0.02)
+    with pytest.raises(ValueError, match="draft_seconds"):
+        drafting_pays([confident], light, draft_seconds=-1.0)

@@ -5,6 +5,8 @@ between rounds, and each verifies its own number of drafts. Each `step()` is one
 
   admit     prefill queued requests one at a time (exactly plain `generate()`'s prefill, first token included) and
             merge their KV into the batch
+  gate      under "scheduler": draft only when the round is expected to beat a plain step, counting the draft's
+            own cost (`scheduler.drafting_pays`); otherwise the round is a plain decoding step
   draft     one drafter pass for all rows: each row appends the target features it committed last round to its
             context and drafts a block from its anchor (the newest token, which has no features yet)
   schedule  per-row verify lengths ℓ_r: the whole block ("fixed"), the calibrated survival threshold ("threshold"),
@@ -24,8 +26,11 @@ import inspect
 import itertools
 import math
 import operator
+import statistics
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +41,14 @@ from .configuration_dspark import VERIFY_POLICIES
 from .generation import is_dspark_drafter
 from .ragged_cache import RaggedCache
 from .request import Request, check_sampling_settings, prompt_token_ids
-from .scheduler import SPS, _sps_lookup, prefix_schedule, settled_prefix_schedule
+from .scheduler import SPS, _sps_lookup, drafting_pays, prefix_schedule, settled_prefix_schedule
 
 
 logger = logging.get_logger(__name__)
+
+# With the draft gate closed, draft anyway after this many plain rounds in a row: it refreshes the confidences the
+# gate predicts from and the measured draft cost, so a load that drops (or a stretch of easy text) reopens it.
+PROBE_INTERVAL = 8
 
 
 @dataclass
@@ -49,6 +58,7 @@ class _Row:
     request: Request
     seq: list[int]
     context: torch.Tensor | None  # (n, m·d) target features of committed positions not yet in the drafter cache
+    hint: list[float] | None = None  # conditional confidences of the last round it drafted (the gate's prediction)
 
     @property
     def anchor_position(self) -> int:
@@ -89,6 +99,10 @@ class Engine:
             `profiling.sps_for` (the checkpoint's sps_profile.json, else a quick profile).
         num_assistant_tokens: the most drafts a request examines per round (transformers' name), 1..block size;
             None = the drafter's whole block. With "fixed" this is fixed γ: a shorter γ from the same block pass.
+        gate_drafts: skip the draft pass in rounds where it is not expected to pay (`scheduler.drafting_pays`), so
+            the round is a plain step. None = on under "scheduler" (it needs the SPS profile), off otherwise.
+        draft_seconds: what the gate takes a draft pass of R rows to cost: None measures it as the engine runs
+            (per batch size, smoothed), a float or a callable R -> seconds fixes it.
         compact_fraction: compact a cache when more than this fraction of its slots are holes.
     """
 
@@ -102,6 +116,8 @@ class Engine:
         verify_policy: str | None = None,
         sps: SPS | None = None,
         num_assistant_tokens: int | None = None,
+        gate_drafts: bool | None = None,
+        draft_seconds: float | Callable[[int], float] | None = None,
         compact_fraction: float = 0.5,
     ):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -122,6 +138,11 @@ class Engine:
         self.keeps_logits = "logits_to_keep" in params
         self.policy = self._setup_drafter(drafter, tokenizer, verify_policy, sps)
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
+        self.gate_drafts = self._check_gate(gate_drafts, draft_seconds)
+        self._draft_seconds = draft_seconds
+        self._measured_draft_seconds: dict[int, float] = {}  # batch rows -> smoothed seconds of a draft pass
+        self._prior: list[float] | None = None  # mean conditional confidence per position, last drafted round
+        self._plain_in_a_row = 0
         self.target_cache = RaggedCache(self.device)
         self.drafter_cache = RaggedCache(self.device)
         self.rows: list[_Row] = []
@@ -136,7 +157,7 @@ class Engine:
         self._ids = itertools.count()
         self._counts = dict.fromkeys(
             ("rounds", "prefills", "request_rounds", "generated_tokens", "verified_drafts", "accepted_drafts",
-             "finished_requests", "compactions"),
+             "finished_requests", "compactions", "gated_rounds"),
             0,
         )  # fmt: skip
         self._position_counts = ([0] * self.block_size, [0] * self.block_size)
@@ -185,6 +206,21 @@ class Engine:
                 f"got {value!r}."
             )
         return value
+
+    def _check_gate(self, gate_drafts: bool | None, draft_seconds) -> bool:
+        if gate_drafts is None:
+            gate_drafts = self.policy == "scheduler"
+        if not isinstance(gate_drafts, bool):
+            raise TypeError(f"`gate_drafts` must be a bool or None, got {gate_drafts!r}.")
+        if gate_drafts and self.policy != "scheduler":
+            raise ValueError(
+                f"gate_drafts=True needs verify_policy='scheduler' (it weighs a draft against the SPS profile); "
+                f"the policy here is {self.policy!r}."
+            )
+        if draft_seconds is not None and not callable(draft_seconds):
+            if isinstance(draft_seconds, bool) or not isinstance(draft_seconds, (int, float)) or draft_seconds < 0:
+                raise ValueError(f"`draft_seconds` must be None, seconds >= 0 or a callable, got {draft_seconds!r}.")
+        return gate_drafts
 
     # -- requests -----------------------------------------------------------------------------------------------
 
@@ -270,7 +306,7 @@ class Engine:
                 finished = self._retire() + self._admit()
                 self._crop()  # a sliding-window target must see right-aligned rows from the first verify on
                 if self.rows:
-                    block = self._no_drafts() if self.drafter is None else self._schedule(self._sample(self._draft()))
+                    block = self._drafted_block() if self._drafting_pays() else self._no_drafts()
                     logits, features = self._verify(block)
                     accepted, bonus = self._accept(block, logits)
                     self._commit(block, accepted, bonus, features)
@@ -328,6 +364,51 @@ class Engine:
             rows.append(_Row(request, request.prompt_ids + [token], context))
         return rows, cache
 
+    def _drafting_pays(self) -> bool:
+        """The draft gate: whether to draft this round (always, unless `gate_drafts`). Predicts each row's
+        confidences from the last round it drafted (new rows: the last drafted round's mean) and asks
+        `drafting_pays`; drafts anyway to measure an unmeasured batch size or after `PROBE_INTERVAL` plain rounds."""
+        if self.drafter is None:
+            return False
+        if not self.gate_drafts:
+            return True
+        n = len(self.rows)
+        seconds = self._draft_cost(n)
+        if seconds is None or self._prior is None or self._plain_in_a_row >= PROBE_INTERVAL:
+            return True
+        hints = [row.hint if row.hint is not None else self._prior for row in self.rows]
+        predicted = [hint[:cap] for hint, cap in zip(hints, self._caps())]
+        if drafting_pays(predicted, self.sps, seconds):
+            return True
+        self._plain_in_a_row += 1
+        self._counts["gated_rounds"] += 1
+        return False
+
+    def _draft_cost(self, n_rows: int) -> float | None:
+        if self._draft_seconds is None:
+            return self._measured_draft_seconds.get(n_rows)
+        return float(self._draft_seconds(n_rows) if callable(self._draft_seconds) else self._draft_seconds)
+
+    def _drafted_block(self) -> _Block:
+        """draft -> sample -> schedule, timed; records what the gate predicts from."""
+        start = time.perf_counter()
+        block = self._schedule(self._sample(self._draft()))
+        seconds, n = time.perf_counter() - start, len(self.rows)  # _sample reads confidences back: synchronised
+        previous = self._measured_draft_seconds.get(n)
+        self._measured_draft_seconds[n] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        for row, confidences in zip(self.rows, block.confidences):
+            row.hint = confidences
+        by_position = itertools.zip_longest(*block.confidences)
+        mean = [statistics.fmean(c for c in column if c is not None) for column in by_position]
+        self._prior = mean + (self._prior or [])[len(mean) :]
+        self._plain_in_a_row = 0
+        return block
+
+    def _caps(self) -> list[int]:
+        """Drafts each row may examine: `num_assistant_tokens`, and one fewer than its remaining budget (the bonus
+        takes the last slot)."""
+        return [min(self.num_assistant_tokens, row.request.remaining - 1) for row in self.rows]
+
     def _draft(self) -> torch.Tensor:
         """Backbone pass for all rows; returns h (B, γ, d). The drafter cache keeps the new context, not the block.
 
@@ -373,7 +454,7 @@ class Engine:
         would be sampled for nothing.
         """
         requests = [row.request for row in self.rows]
-        caps = [min(self.num_assistant_tokens, r.remaining - 1) for r in requests]
+        caps = self._caps()
         steps = max(caps)
         prev = torch.tensor([[row.seq[-1]] for row in self.rows], device=hidden.device)  # (B, 1): the anchors
         tokens = prev.new_zeros(len(requests), steps)
@@ -485,8 +566,9 @@ class Engine:
             stopped = self._emit(request, new)
             request.stats.record_step(block.lengths[i], n_acc, stopped=stopped, survival=survival[i])
             row.seq += new
-            if features is not None:
-                row.context = features[i, : n_acc + 1]  # the old anchor + accepted drafts; the bonus is the anchor
+            if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor), after any
+                new_context = features[i, : n_acc + 1]  # context a gated round left for the next draft pass
+                row.context = new_context if row.context is None else torch.cat([row.context, new_context])
             self._counts["request_rounds"] += 1
             self._counts["verified_drafts"] += block.lengths[i]
             self._counts["accepted_drafts"] += n_acc
@@ -637,6 +719,7 @@ class Engine:
             waiting=len(self._waiting),
             verify_policy=self.policy,
             num_assistant_tokens=self.num_assistant_tokens,
+            gate_drafts=self.gate_drafts,
         )
         return c
 

@@ -98,6 +98,7 @@ class RaggedCache:
         if drop:
             self.cache.crop(-drop)
             self.valid = self.valid[:, :last]
+            self._drop_empty_layers()
 
     def is_right_aligned(self) -> bool:
         """True when every row is holes first, then valid tokens (no hole between two valid slots)."""
@@ -115,6 +116,13 @@ class RaggedCache:
             layers.append((key.gather(2, index), value.gather(2, index)))
         self.cache = DynamicCache(ddp_cache_data=layers) if layers else DynamicCache()
         self.valid = torch.arange(slots, device=self.valid.device)[None] >= (slots - lengths)[:, None]
+        self._drop_empty_layers()
+
+    def _drop_empty_layers(self) -> None:
+        """With no slots left, forget the layers: transformers' `batch_select_indices` skips a layer holding no
+        tokens, so its batch axis would go stale on the next retirement (a drafter cache the gate left empty)."""
+        if self.num_slots == 0:
+            self.cache = DynamicCache()
 
     def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, each (B, H, T, hd); empty before the first forward."""

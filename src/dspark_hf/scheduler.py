@@ -4,6 +4,8 @@ All policies decide position k from survival probabilities of positions <= k onl
 Algorithm 1's early stop is what guarantees that (DSpark paper §3.2.2 and App. A).
 """
 
+import itertools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 
 
@@ -73,6 +75,29 @@ def settled_prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS, un
     return best if unseen_bound <= 0 else None
 
 
+def drafting_pays(predicted: Sequence[Sequence[float]], sps: SPS, draft_seconds: float) -> bool:
+    """Whether a draft pass is expected to pay for itself this round: the draft gate (our addition to Algorithm 1).
+
+    Algorithm 1 takes the draft as given and prices only the verify step. Where a draft pass costs a sizeable part
+    of a verify step (a CPU, a large batch), a round that then verifies few drafts is slower than a plain decoding
+    step. So before drafting compare a plain step, Θ_plain = R · SPS(R), with Algorithm 1's best Θ on a round that
+    also pays `draft_seconds` for the draft, SPS'(B) = 1 / (draft_seconds + 1 / SPS(B)), using `predicted[r][k]`
+    (request r's expected conditional acceptance at draft position k+1, e.g. its last round's confidences).
+    The decision uses nothing of this round's drafts, so skipping a draft (a plain step) stays lossless.
+    """
+    if draft_seconds < 0:
+        raise ValueError(f"`draft_seconds` must be >= 0, got {draft_seconds}.")
+    lookup = _sps_lookup(sps)
+    n_requests = len(predicted)
+
+    def with_draft(b: int) -> float:
+        return 1.0 / (draft_seconds + 1.0 / lookup(b))
+
+    lengths = prefix_schedule(predicted, with_draft)
+    expected = n_requests + sum(sum(itertools.accumulate(c[:n], operator.mul)) for c, n in zip(predicted, lengths))
+    return expected * with_draft(n_requests + sum(lengths)) > n_requests * lookup(n_requests)
+
+
 class PrefixAdmission:
     """Algorithm 1 for one request, applied incrementally while the block is sampled (`admit(k, a_k)`)."""
 
@@ -113,4 +138,11 @@ def build_admission(config, sps: SPS | None = None) -> Callable[[int, float], bo
     return PrefixAdmission(sps)
 
 
-__all__ = ["PrefixAdmission", "build_admission", "prefix_schedule", "settled_prefix_schedule", "threshold_admission"]
+__all__ = [
+    "PrefixAdmission",
+    "build_admission",
+    "drafting_pays",
+    "prefix_schedule",
+    "settled_prefix_schedule",
+    "threshold_admission",
+]
