@@ -359,9 +359,12 @@ def test_matched_throughput_comparison():
     targets = compare_curves({"fixed": fixed, "scheduled": sched})
     assert targets["batch1_per_user_tok_s"] == {"scheduled": 110, "fixed": 100}
     assert targets["batch1_scheduled_ge_fixed"] is True
-    # at 175 tok/s the fixed curve gives 62.5 tok/s/user: 90 / 62.5 = +44 %; 250 lies outside the fixed curve
-    assert [g["aggregate_tok_s"] for g in targets["matched_throughput_gains"]] == [100, 175]
-    assert targets["best_matched_gain"] == pytest.approx(0.44) and targets["matched_gain_ge_30pct"] is True
+    # compared at every measured throughput both curves reach: 100, 150 (fixed's point; scheduled interpolates to
+    # 96.7), 175 (fixed interpolates to 62.5: +44 %), 200 (80 against 50: +60 %); 250 lies beyond the fixed curve
+    gains = targets["matched_throughput_gains"]
+    assert [g["aggregate_tok_s"] for g in gains] == [100, 150, 175, 200]
+    assert [g["gain"] for g in gains] == pytest.approx([0.1, 96.6667 / 75 - 1, 0.44, 0.6], rel=1e-4)
+    assert targets["best_matched_gain"] == pytest.approx(0.6) and targets["matched_gain_ge_30pct"] is True
 
 
 def test_matched_throughput_is_against_the_best_fixed_gamma():
@@ -376,23 +379,29 @@ def test_matched_throughput_is_against_the_best_fixed_gamma():
     sched = curve((100, 110), (175, 90), (250, 60))
     targets = compare_curves({"fixed": fixed7, "fixed:2": fixed2, "scheduled": sched})
     assert targets["batch1_best_fixed"] == "fixed:2" and targets["batch1_scheduled_ge_fixed"] is False
-    # 100 tok/s: fixed:2 interpolates to 114.3 > 100; 175: fixed:2 72.5 > fixed 62.5; 250: outside both
+    # 100 tok/s: fixed:2 interpolates to 114.3 > 100; 175: fixed:2 72.5 > fixed 62.5; 240: only fixed:2 (40)
+    # reaches it, scheduled interpolates to 64; 90 and 250 lie outside the scheduled or both fixed curves
     gains = targets["matched_throughput_gains"]
-    assert [(g["aggregate_tok_s"], g["vs"]) for g in gains] == [(100, "fixed:2"), (175, "fixed:2")]
-    assert targets["best_matched_gain"] == pytest.approx(90 / 72.5 - 1)
+    assert [g["aggregate_tok_s"] for g in gains] == [100, 150, 160, 175, 200, 240]
+    assert all(g["vs"] == "fixed:2" for g in gains)
+    assert gains[0]["gain"] == pytest.approx(110 / (120 - 40 / 7) - 1)
+    assert gains[3]["gain"] == pytest.approx(90 / 72.5 - 1)
+    assert targets["best_matched_gain"] == pytest.approx(64 / 40 - 1)
 
 
 @pytest.mark.parametrize(
-    "name, expected", [("plain", (None, None)), ("fixed", ("fixed", None)), ("fixed:3", ("fixed", 3)),
-                       ("scheduled", ("scheduler", None))]  # fmt: skip
-)
+    "name, expected",
+    [("plain", (None, None, None)), ("fixed", ("fixed", None, None)), ("fixed:3", ("fixed", 3, None)),
+     ("scheduled", ("scheduler", None, True)), ("scheduled:ungated", ("scheduler", None, False))],
+)  # fmt: skip
 def test_parse_load_configuration(name, expected):
     from dspark_hf.load_bench import parse_configuration
 
-    assert parse_configuration(name, block_size=7) == expected
+    keys = ("verify_policy", "num_assistant_tokens", "gate_drafts")
+    assert parse_configuration(name, block_size=7) == dict(zip(keys, expected))
 
 
-@pytest.mark.parametrize("name", ["fixed:0", "fixed:8", "fixed:x", "scheduled:2", "greedy"])
+@pytest.mark.parametrize("name", ["fixed:0", "fixed:8", "fixed:x", "scheduled:2", "plain:1", "greedy"])
 def test_bad_load_configuration(name):
     from dspark_hf.load_bench import parse_configuration
 

@@ -152,6 +152,7 @@ def cmd_serve(args) -> int:
         max_batch_size=args.max_batch_size,
         verify_policy=args.verify_policy,
         num_assistant_tokens=args.num_assistant_tokens,
+        gate_drafts=False if args.no_draft_gate else None,
     )
     server = DSparkServer(engine, tokenizer, host=args.host, port=args.port, model_name=_model_name(args))
     mode = "plain decoding" if args.plain else f"DSpark ({args.verify_policy or drafter.config.verify_policy})"
@@ -199,7 +200,8 @@ def add_load_bench_args(bench) -> None:
     group.add_argument(
         "--configs",
         default="plain,fixed,scheduled",
-        help="comma-separated: plain, fixed (γ = the drafter's block), fixed:K (γ = K), scheduled",
+        help="comma-separated: plain, fixed (γ = the drafter's block), fixed:K (γ = K), scheduled (Algorithm 1 with "
+        "the draft gate), scheduled:ungated (Algorithm 1 drafting every round)",
     )
     group.add_argument("--requests-per-client", type=int, default=2, help="closed-loop requests per client")
     group.add_argument("--png", default="load_bench.png", help="per-user vs aggregate tok/s plot ('' for none)")
@@ -454,6 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
     serve.add_argument("--verify-policy", choices=["threshold", "fixed", "scheduler"], default=None)
     serve.add_argument("--num-assistant-tokens", type=int, default=None, help="most drafts per round (default: block)")
+    serve.add_argument(
+        "--no-draft-gate",
+        action="store_true",
+        help="under verify_policy scheduler, draft every round (the gate skips drafts not expected to pay)",
+    )
     serve.add_argument("--plain", action="store_true", help="plain decoding, no drafter (a baseline)")
     add_models(serve)
     serve.set_defaults(func=cmd_serve)
