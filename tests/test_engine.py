@@ -266,8 +266,6 @@ def test_draft_gate_keeps_outputs_and_skips_drafts_that_cannot_pay(target, draft
     """The gate turns rounds into plain steps when a draft costs more than it can save (1 s against 10 ms
     verifies: only the first round and the probes draft), not while drafts are free, and whatever it decides,
     and however the measured cost falls, every output is the plain one."""
-    from dspark_hf.engine import PROBE_INTERVAL
-
     prompts = random_prompts([3, 8, 5, 13])
     engine = make_engine(target, "scheduler", gate_drafts=True, draft_seconds=draft_seconds)
     pays, decisions = engine._drafting_pays, []
@@ -277,7 +275,8 @@ def test_draft_gate_keeps_outputs_and_skips_drafts_that_cannot_pay(target, draft
     if draft_seconds == 0.0:  # skipped only where no row has room for a draft (each has one token left)
         assert all(drafted or room == 0 for drafted, room in decisions)
     if draft_seconds == 1.0:
-        assert gated >= rounds * PROBE_INTERVAL // (PROBE_INTERVAL + 1) - 1 and rounds - gated >= 2
+        probe = engine.gate.probe_interval
+        assert gated >= rounds * probe // (probe + 1) - 1 and rounds - gated >= 2
 
 
 def test_draft_gate_leaves_the_context_for_the_next_draft(target):

@@ -1,5 +1,6 @@
 """The profiler behind verify_policy="scheduler": profiles, files, lookup next to the checkpoint, generate()."""
 
+import functools
 import importlib.util
 import json
 
@@ -21,6 +22,7 @@ from dspark_hf.profiling import (
     sps_for,
     sps_table,
 )
+from dspark_hf.scheduler import DraftGate
 
 
 def quick_profile(target, n=5, **kwargs):
@@ -33,7 +35,7 @@ HEAD = '{"format": "dspark-sps-v1", '
 
 
 def greedy(target, ids, **kwargs):
-    return target.generate(ids, do_sample=False, max_new_tokens=17, **kwargs)
+    return target.generate(ids, do_sample=False, **{"max_new_tokens": 17, **kwargs})
 
 
 def test_profile_has_the_documented_keys(target):
@@ -131,7 +133,7 @@ def test_find_profile_rejects_a_mismatch_with_a_warning(tmp_path, target, change
 
 
 def test_scheduler_with_a_flat_profile_verifies_whole_blocks(target):
-    drafter = make_drafter(target, verify_policy="scheduler")
+    drafter = make_drafter(target, verify_policy="scheduler", draft_gate=False)  # Algorithm 1 alone
     drafter.sps_profile = {b: 100.0 for b in range(1, 10)}
     ids = torch.randint(0, 99, (1, 5))
     assert torch.equal(greedy(target, ids), greedy(target, ids, assistant_model=drafter))
@@ -151,6 +153,27 @@ def test_scheduler_with_a_steep_profile_verifies_nothing(target):
     ids = torch.randint(0, 99, (1, 5))
     assert torch.equal(greedy(target, ids), greedy(target, ids, assistant_model=drafter))
     assert set(drafter.generation_stats.verify_lengths) == {0}
+
+
+@pytest.mark.parametrize("draft_seconds", [1.0, 0.0])
+def test_draft_gate_in_generate(target, monkeypatch, draft_seconds):
+    """generate() with the draft gate: a draft pass priced at 1 s against 10 ms verifies leaves only the first
+    draft and the probes; free drafts are never skipped; the features of skipped rounds reach the next draft
+    (the generator checks the context count every round) and the output is plain greedy's either way."""
+    from dspark_hf import candidate_generator
+
+    monkeypatch.setattr(candidate_generator, "DraftGate", functools.partial(DraftGate, draft_seconds=draft_seconds))
+    drafter = make_drafter(target, verify_policy="scheduler")
+    drafter.sps_profile = {b: 100.0 for b in range(1, 10)}
+    ids = torch.randint(0, 99, (1, 5))
+    plain = greedy(target, ids, max_new_tokens=40)
+    assert torch.equal(plain, greedy(target, ids, max_new_tokens=40, assistant_model=drafter))
+    stats = drafter.generation_stats
+    drafted = sum(1 for v in stats.verify_lengths if v > 0)
+    if draft_seconds:
+        assert stats.gated_rounds >= 20 and drafted <= 2 + len(stats.verify_lengths) // 9
+    else:
+        assert stats.gated_rounds == 0 and drafted > 0
 
 
 def test_scheduler_without_a_profile_profiles_once_on_the_fly(target, monkeypatch):

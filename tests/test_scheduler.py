@@ -4,8 +4,10 @@ import pytest
 
 from dspark_hf import DSparkConfig
 from dspark_hf.scheduler import (
+    DraftGate,
     PrefixAdmission,
     build_admission,
+    conditional_confidences,
     drafting_pays,
     prefix_schedule,
     settled_prefix_schedule,
@@ -153,3 +155,25 @@ def test_draft_gate_follows_the_load():
     assert not drafting_pays([confident] * 8, heavy, draft_seconds=0.02)
     with pytest.raises(ValueError, match="draft_seconds"):
         drafting_pays([confident], light, draft_seconds=-1.0)
+
+
+def test_draft_gate_measures_then_predicts_and_probes():
+    """Unknown cost: draft (to measure). Measured dear: plain steps, except a probe after `probe_interval` of them;
+    a request without a hint is predicted from the last drafted round's mean; a cheaper measurement reopens it."""
+    sps = {b: 10.0 for b in range(1, 10)}  # 100 ms per verify, any size
+    gate = DraftGate(sps, probe_interval=3)
+    assert gate.should_draft([None, None], [4, 4])  # nothing measured yet
+    gate.record(0.5, [[0.9, 0.5], [0.7]])  # 500 ms for two rows
+    assert gate.prior == pytest.approx([0.8, 0.5]) and gate.cost(2) == 0.5 and gate.cost(3) is None
+    decisions = [gate.should_draft([[0.9, 0.5], None], [4, 4]) for _ in range(4)]
+    assert decisions == [False, False, False, True]  # three plain rounds, then a probe
+    gate.record(0.0, [[0.9, 0.5], [0.7]])  # the smoothed cost falls to 0.4 s: still dear
+    assert gate.cost(2) == pytest.approx(0.4) and not gate.should_draft([[0.9, 0.5], None], [4, 4])
+    cheap = DraftGate(sps, draft_seconds=lambda rows: 0.001 * rows)
+    cheap.record(9.0, [[0.9]])  # a fixed cost model ignores the measurement
+    assert cheap.cost(2) == pytest.approx(0.002) and cheap.should_draft([[0.9, 0.5], None], [4, 4])
+
+
+def test_conditional_confidences_undo_the_cumulative_product():
+    assert conditional_confidences([0.8, 0.4, 0.1, 0.0, 0.0]) == pytest.approx([0.8, 0.5, 0.25, 0.0, 0.0])
+    assert conditional_confidences([]) == []

@@ -4,14 +4,17 @@
 context bookkeeping, stop strings, statistics); a subclass implements `draft` (EAGLE-3: `Eagle3CandidateGenerator`).
 
 Each round of `generate()` (batch size 1):
-  draft    append the target features of the tokens committed last round to the drafter's context cache, run
-           one parallel block pass, crop the block's own K/V again;
+  gate     under verify_policy "scheduler" (and `config.draft_gate`): skip the draft when it is not expected to pay
+           (`scheduler.DraftGate`); the round is then a plain step and its features wait for the next draft;
+  draft    append the target features of the tokens committed since the last draft to the drafter's context
+           cache, run one parallel block pass, crop the block's own K/V again;
   schedule sample the block token by token through the sequential head, stopping where the admission policy
            (confidence threshold or Algorithm 1) says verification no longer pays;
   verify / accept / commit / crop: done by transformers' loop, against the processed biased draft logits we return,
            so greedy output is token-identical and sampling is exact rejection sampling.
 """
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +24,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .generation import eos_token_ids
 from .profiling import sps_for
-from .scheduler import build_admission
+from .scheduler import DraftGate, build_admission, conditional_confidences
 from .stats import DSparkGenerationStats
 
 
@@ -71,6 +74,9 @@ class DrafterCandidateGenerator(CandidateGenerator):
         }
         self.cache = DynamicCache()  # the drafter's cache of context entries
         self.context_len = 0  # target positions whose features the drafter has consumed
+        self.waiting: list[torch.Tensor] = []  # features of gated rounds, for the next draft pass
+        self.gate: DraftGate | None = None  # set by a subclass that can price its drafts
+        self.hint: list[float] | None = None  # the last draft's conditional confidences, for the gate
         self.pending = None  # (sequence length, drafts proposed, survivals examined); None for the prefill
         self.stats = DSparkGenerationStats(block_size=config.block_size)
         drafter.generation_stats = self.stats
@@ -87,7 +93,7 @@ class DrafterCandidateGenerator(CandidateGenerator):
         first `n_last_matches + 1` positions of the verify pass. The newest token (the bonus) becomes the anchor and
         has no features yet: context ends at position `len(input_ids) - 2`.
         """
-        n_new = input_ids.shape[1] - 1 - self.context_len
+        n_new = input_ids.shape[1] - 1 - self.context_len - sum(c.shape[1] for c in self.waiting)
         if self.context_len and n_new != n_last_matches + 1:
             raise RuntimeError(f"Drafter context out of sync: {n_new} new positions, {n_last_matches} accepted.")
         states = model_outputs.hidden_states
@@ -117,7 +123,17 @@ class DrafterCandidateGenerator(CandidateGenerator):
             self.pending = (cur_len, 0, [])
             return input_ids, None
         context = self._new_context(input_ids, model_outputs, n_last_matches)
+        if self.gate is not None and not self.gate.should_draft([self.hint], [budget]):
+            self.waiting.append(context)  # a plain step: these features go in with the next draft
+            self.pending = (cur_len, 0, [])
+            self.stats.gated_rounds += 1
+            return input_ids, None
+        context, self.waiting = torch.cat([*self.waiting, context], dim=1), []
+        start = time.perf_counter()
         draft = self.draft(input_ids, context, model_kwargs, budget)
+        if self.gate is not None:  # the admission read every survival back: the time includes the device's work
+            self.hint = conditional_confidences(draft.survival)
+            self.gate.record(time.perf_counter() - start, [self.hint])
         self.context_len = cur_len - 1
         candidate_ids = torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=-1)
         n = self._before_stop_string(candidate_ids, cur_len)
@@ -178,6 +194,8 @@ class DSparkCandidateGenerator(DrafterCandidateGenerator):
         if config.verify_policy == "scheduler" and config.confidence_head:
             # the checkpoint's sps_profile.json if it fits this target and hardware, else a quick profile
             sps = sps_for(drafter, target)
+            if getattr(config, "draft_gate", True):
+                self.gate = DraftGate(sps)
         self.admit = build_admission(config, sps)
 
     def draft(self, input_ids, context, model_kwargs, budget: int) -> "DSparkBlockDraft":

@@ -324,6 +324,8 @@ class DSparkConfig(DrafterConfig):
             the first position whose calibrated cumulative survival falls below `confidence_threshold`), `"fixed"`
             (always the whole block) or `"scheduler"` (Algorithm 1 with a profiled cost curve).
         confidence_threshold (`float`): survival threshold of the `"threshold"` policy.
+        draft_gate (`bool`): under `"scheduler"`, skip a round's draft pass when it is not expected to pay for itself
+            (`scheduler.DraftGate`: the round is then a plain decoding step); False drafts every round.
     """
 
     model_type = "dspark"
@@ -337,6 +339,7 @@ class DSparkConfig(DrafterConfig):
     sts_temperatures: list[float | int] | None = None
     verify_policy: str = "threshold"
     confidence_threshold: float | int = 0.1
+    draft_gate: bool = True
 
     def __post_init__(self, **kwargs):
         if self.sts_temperatures is None:

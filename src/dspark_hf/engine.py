@@ -26,7 +26,6 @@ import inspect
 import itertools
 import math
 import operator
-import statistics
 import threading
 import time
 from collections import deque
@@ -41,14 +40,10 @@ from .configuration_dspark import VERIFY_POLICIES
 from .generation import is_dspark_drafter
 from .ragged_cache import RaggedCache
 from .request import Request, check_sampling_settings, prompt_token_ids
-from .scheduler import SPS, _sps_lookup, drafting_pays, prefix_schedule, settled_prefix_schedule
+from .scheduler import SPS, DraftGate, _sps_lookup, prefix_schedule, settled_prefix_schedule
 
 
 logger = logging.get_logger(__name__)
-
-# With the draft gate closed, draft anyway after this many plain rounds in a row: it refreshes the confidences the
-# gate predicts from and the measured draft cost, so a load that drops (or a stretch of easy text) reopens it.
-PROBE_INTERVAL = 8
 
 
 @dataclass
@@ -99,8 +94,9 @@ class Engine:
             `profiling.sps_for` (the checkpoint's sps_profile.json, else a quick profile).
         num_assistant_tokens: the most drafts a request examines per round (transformers' name), 1..block size;
             None = the drafter's whole block. With "fixed" this is fixed γ: a shorter γ from the same block pass.
-        gate_drafts: skip the draft pass in rounds where it is not expected to pay (`scheduler.drafting_pays`), so
-            the round is a plain step. None = on under "scheduler" (it needs the SPS profile), off otherwise.
+        gate_drafts: skip the draft pass in rounds where it is not expected to pay (`scheduler.DraftGate`), so the
+            round is a plain step. None = `drafter.config.draft_gate` under "scheduler" (it needs the SPS
+            profile), off otherwise.
         draft_seconds: what the gate takes a draft pass of R rows to cost: None measures it as the engine runs
             (per batch size, smoothed), a float or a callable R -> seconds fixes it.
         compact_fraction: compact a cache when more than this fraction of its slots are holes.
@@ -138,11 +134,7 @@ class Engine:
         self.keeps_logits = "logits_to_keep" in params
         self.policy = self._setup_drafter(drafter, tokenizer, verify_policy, sps)
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
-        self.gate_drafts = self._check_gate(gate_drafts, draft_seconds)
-        self._draft_seconds = draft_seconds
-        self._measured_draft_seconds: dict[int, float] = {}  # batch rows -> smoothed seconds of a draft pass
-        self._prior: list[float] | None = None  # mean conditional confidence per position, last drafted round
-        self._plain_in_a_row = 0
+        self.gate = DraftGate(self.sps, draft_seconds) if self._check_gate(gate_drafts, draft_seconds) else None
         self.target_cache = RaggedCache(self.device)
         self.drafter_cache = RaggedCache(self.device)
         self.rows: list[_Row] = []
@@ -209,7 +201,7 @@ class Engine:
 
     def _check_gate(self, gate_drafts: bool | None, draft_seconds) -> bool:
         if gate_drafts is None:
-            gate_drafts = self.policy == "scheduler"
+            gate_drafts = self.policy == "scheduler" and bool(getattr(self.drafter.config, "draft_gate", True))
         if not isinstance(gate_drafts, bool):
             raise TypeError(f"`gate_drafts` must be a bool or None, got {gate_drafts!r}.")
         if gate_drafts and self.policy != "scheduler":
@@ -365,43 +357,23 @@ class Engine:
         return rows, cache
 
     def _drafting_pays(self) -> bool:
-        """The draft gate: whether to draft this round (always, unless `gate_drafts`). Predicts each row's
-        confidences from the last round it drafted (new rows: the last drafted round's mean) and asks
-        `drafting_pays`; drafts anyway to measure an unmeasured batch size or after `PROBE_INTERVAL` plain rounds."""
+        """Whether to draft this round: always with a drafter, unless the draft gate (`scheduler.DraftGate`) finds
+        the round cheaper as a plain step."""
         if self.drafter is None:
             return False
-        if not self.gate_drafts:
+        if self.gate is None or self.gate.should_draft([row.hint for row in self.rows], self._caps()):
             return True
-        n = len(self.rows)
-        seconds = self._draft_cost(n)
-        if seconds is None or self._prior is None or self._plain_in_a_row >= PROBE_INTERVAL:
-            return True
-        hints = [row.hint if row.hint is not None else self._prior for row in self.rows]
-        predicted = [hint[:cap] for hint, cap in zip(hints, self._caps())]
-        if drafting_pays(predicted, self.sps, seconds):
-            return True
-        self._plain_in_a_row += 1
         self._counts["gated_rounds"] += 1
         return False
 
-    def _draft_cost(self, n_rows: int) -> float | None:
-        if self._draft_seconds is None:
-            return self._measured_draft_seconds.get(n_rows)
-        return float(self._draft_seconds(n_rows) if callable(self._draft_seconds) else self._draft_seconds)
-
     def _drafted_block(self) -> _Block:
-        """draft -> sample -> schedule, timed; records what the gate predicts from."""
+        """draft -> sample -> schedule; timed, with the confidences seen, for the gate."""
         start = time.perf_counter()
         block = self._schedule(self._sample(self._draft()))
-        seconds, n = time.perf_counter() - start, len(self.rows)  # _sample reads confidences back: synchronised
-        previous = self._measured_draft_seconds.get(n)
-        self._measured_draft_seconds[n] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
-        for row, confidences in zip(self.rows, block.confidences):
-            row.hint = confidences
-        by_position = itertools.zip_longest(*block.confidences)
-        mean = [statistics.fmean(c for c in column if c is not None) for column in by_position]
-        self._prior = mean + (self._prior or [])[len(mean) :]
-        self._plain_in_a_row = 0
+        if self.gate is not None:  # _sample read the confidences back: the time includes the device's work
+            self.gate.record(time.perf_counter() - start, block.confidences)
+            for row, confidences in zip(self.rows, block.confidences):
+                row.hint = confidences
         return block
 
     def _caps(self) -> list[int]:
@@ -719,7 +691,7 @@ class Engine:
             waiting=len(self._waiting),
             verify_policy=self.policy,
             num_assistant_tokens=self.num_assistant_tokens,
-            gate_drafts=self.gate_drafts,
+            gate_drafts=self.gate is not None,
         )
         return c
 

@@ -6,6 +6,7 @@ Algorithm 1's early stop is what guarantees that (DSpark paper §3.2.2 and App. 
 
 import itertools
 import operator
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 
 
@@ -98,6 +99,58 @@ def drafting_pays(predicted: Sequence[Sequence[float]], sps: SPS, draft_seconds:
     return expected * with_draft(n_requests + sum(lengths)) > n_requests * lookup(n_requests)
 
 
+class DraftGate:
+    """`drafting_pays` between rounds: what a decoding loop asks before each draft pass.
+
+    It predicts each request's confidences from the last round it drafted (a request that has not drafted yet: the
+    mean of the last drafted round) and prices the draft pass at `draft_seconds` (a float or a callable from the
+    number of rows; None measures it per number of rows, smoothed). It drafts anyway while that cost is unknown
+    and after `probe_interval` plain rounds in a row, which refreshes the predictions and the measurement, so a
+    load that drops or a stretch of easy text reopens it.
+    """
+
+    def __init__(self, sps: SPS, draft_seconds: float | Callable[[int], float] | None = None, probe_interval: int = 8):
+        self.sps, self.draft_seconds, self.probe_interval = sps, draft_seconds, probe_interval
+        self.measured: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
+        self.prior: list[float] | None = None
+        self.plain_in_a_row = 0
+
+    def should_draft(self, hints: Sequence[Sequence[float] | None], caps: Sequence[int]) -> bool:
+        """hints[r]: request r's conditional confidences of its last drafted round (None if it has none);
+        caps[r]: drafts it may verify this round. False means: make this round a plain step."""
+        seconds = self.cost(len(hints))
+        if seconds is None or self.prior is None or self.plain_in_a_row >= self.probe_interval:
+            return True
+        predicted = [(self.prior if hint is None else hint)[:cap] for hint, cap in zip(hints, caps)]
+        if drafting_pays(predicted, self.sps, seconds):
+            return True
+        self.plain_in_a_row += 1
+        return False
+
+    def cost(self, n_rows: int) -> float | None:
+        if self.draft_seconds is None:
+            return self.measured.get(n_rows)
+        return float(self.draft_seconds(n_rows) if callable(self.draft_seconds) else self.draft_seconds)
+
+    def record(self, seconds: float, confidences: Sequence[Sequence[float]]) -> None:
+        """After a drafted round: its wall time and every row's conditional confidences (the new hints)."""
+        previous = self.measured.get(len(confidences))
+        self.measured[len(confidences)] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        columns = itertools.zip_longest(*confidences)
+        mean = [statistics.fmean(c for c in column if c is not None) for column in columns]
+        self.prior = mean + (self.prior or [])[len(mean) :]
+        self.plain_in_a_row = 0
+
+
+def conditional_confidences(survival: Sequence[float]) -> list[float]:
+    """Cumulative survivals a_1..a_m -> conditional acceptances c_k = a_k / a_{k-1} (0 once a survival is 0)."""
+    previous, out = 1.0, []
+    for a in survival:
+        out.append(a / previous if previous > 0 else 0.0)
+        previous = a
+    return out
+
+
 class PrefixAdmission:
     """Algorithm 1 for one request, applied incrementally while the block is sampled (`admit(k, a_k)`)."""
 
@@ -139,8 +192,10 @@ def build_admission(config, sps: SPS | None = None) -> Callable[[int, float], bo
 
 
 __all__ = [
+    "DraftGate",
     "PrefixAdmission",
     "build_admission",
+    "conditional_confidences",
     "drafting_pays",
     "prefix_schedule",
     "settled_prefix_schedule",

@@ -10,7 +10,8 @@ class DSparkGenerationStats:
     A *step* is one target verify pass (the prefill is not a step). At step i the target verified
     `verify_lengths[i]` draft tokens (0..γ) and `accepted_lengths[i]` of them were committed, plus one bonus
     token from the target. `stopped[i]` marks a step cut short by EOS or the length limit, whose unaccepted
-    drafts say nothing about the drafter and are left out of the per-position rates.
+    drafts say nothing about the drafter and are left out of the per-position rates. `gated_rounds` counts the
+    steps the draft gate made plain (no draft pass; verify length 0).
     """
 
     block_size: int
@@ -20,6 +21,7 @@ class DSparkGenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     stopped: list[bool] = field(default_factory=list)
     survivals: list[list[float]] = field(default_factory=list)
+    gated_rounds: int = 0
 
     def record_step(self, verified: int, accepted: int, stopped: bool = False, survival=None) -> None:
         """One verify pass; `survival` is the calibrated cumulative survival of the positions the drafter examined
