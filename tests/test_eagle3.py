@@ -87,7 +87,9 @@ def test_random_eagle_matches_greedy(target, prompt_len):
 def test_sdpa_eagle_matches_greedy(target):
     drafter = make_eagle(target, attn="sdpa")
     ids = torch.randint(0, 99, (1, 7))
-    assert torch.equal(greedy(target, ids, max_new_tokens=15), greedy(target, ids, max_new_tokens=15, assistant_model=drafter))
+    assert torch.equal(
+        greedy(target, ids, max_new_tokens=15), greedy(target, ids, max_new_tokens=15, assistant_model=drafter)
+    )
 
 
 def test_oracle_eagle_accepts_everything(target):
@@ -110,7 +112,9 @@ def test_eagle_diverging_at_a_position(target, diverge_at):
     drafter = pin_eagle(make_eagle(target), ref, diverge_at=diverge_at)
     assert torch.equal(ref, greedy(target, ids, max_new_tokens=21, assistant_model=drafter))
     stats = drafter.generation_stats
-    assert all(a == min(diverge_at, v) or s for v, a, s in zip(stats.verify_lengths, stats.accepted_lengths, stats.stopped))
+    assert all(
+        a == min(diverge_at, v) or s for v, a, s in zip(stats.verify_lengths, stats.accepted_lengths, stats.stopped)
+    )
 
 
 def test_left_padded_prompt_matches_greedy(target):
@@ -127,7 +131,9 @@ def test_block_size_is_read_per_call(target):
     drafter = make_eagle(target)
     ids = torch.randint(0, 99, (1, 5))
     drafter.config.block_size = 9  # longer than trained: drafting is autoregressive, any length works
-    assert torch.equal(greedy(target, ids, max_new_tokens=25), greedy(target, ids, max_new_tokens=25, assistant_model=drafter))
+    assert torch.equal(
+        greedy(target, ids, max_new_tokens=25), greedy(target, ids, max_new_tokens=25, assistant_model=drafter)
+    )
     assert max(drafter.generation_stats.verify_lengths) == 9
 
 

@@ -516,8 +516,9 @@ def test_sampling_matches_target_distribution_many_samples(policy, sps):
 @pytest.mark.slow
 def test_negative_control_accepting_every_draft_is_detected(monkeypatch):
     """An engine that skips the rejection test must fail the same chi-square test."""
-    import dspark_hf.engine
     from test_sampling import chi_square_rejects
+
+    import dspark_hf.engine
 
     def accept_all(target_probs, draft_probs, draft_ids, generator=None):
         n = draft_ids.shape[0]

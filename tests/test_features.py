@@ -5,15 +5,15 @@ import re
 
 import pytest
 import torch
+from test_trainer import config, tiny_dataset
 
 from conftest import make_target
 from dspark_hf.cli import main
 from dspark_hf.training import features as features_module
 from dspark_hf.training.dataset import TokenDataset
-from dspark_hf.training.features import FeatureCache, build_features, estimate_features
+from dspark_hf.training.features import FeatureCache, build_features
 from dspark_hf.training.step import target_features
 from dspark_hf.training.trainer import DSparkTrainer, build_drafter
-from test_trainer import config, tiny_dataset
 
 
 LAYERS = [0, 2]

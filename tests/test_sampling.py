@@ -2,8 +2,8 @@
 
 The exact joint distribution of the first three generated tokens is computed from the target under the same
 warpers; assisted samples (a random DSpark drafter with a non-zero Markov bias and confidence truncation on, and a
-random EAGLE-3 drafter) are compared with it by a chi-square test. A negative control shows the test rejects a drafter that reports the
-unbiased logits instead of the ones its tokens were drawn from.
+random EAGLE-3 drafter) are compared with it by a chi-square test. A negative control shows the test rejects a
+drafter that reports the unbiased logits instead of the ones its tokens were drawn from.
 """
 
 import itertools
@@ -12,10 +12,10 @@ from collections import Counter
 
 import pytest
 import torch
+from test_eagle3 import make_eagle
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import make_drafter, make_target
-from test_eagle3 import make_eagle
 
 
 VOCAB, N_TOKENS = 4, 3

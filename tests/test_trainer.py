@@ -135,7 +135,8 @@ def test_a_drafter_config_file_is_a_valid_training_config(tmp_path):
 
 
 def test_shape_settings_override_a_drafter_config_file(tmp_path):
-    """`--config hub_configs/X.json --set num_hidden_layers=1 sequential_head=none` trains that shape, not the file's."""
+    """`--config hub_configs/X.json --set num_hidden_layers=1 sequential_head=none` trains that shape, not the
+    file's."""
     from conftest import make_drafter
     from dspark_hf.training.trainer import build_drafter
 

@@ -117,7 +117,10 @@ def test_training_step_updates_drafter_and_leaves_target_alone(target):
 def test_shortlist_logits_are_the_full_logits_columns(target, head):
     drafter = make_drafter(target, sequential_head=head)
     lm_head = target.get_output_embeddings()
-    hidden, prev = torch.randn(2, 3, drafter.config.block_size, drafter.config.hidden_size), torch.randint(0, 99, (2, 3, drafter.config.block_size))
+    hidden, prev = (
+        torch.randn(2, 3, drafter.config.block_size, drafter.config.hidden_size),
+        torch.randint(0, 99, (2, 3, drafter.config.block_size)),
+    )
     vocab_ids = torch.tensor([0, 5, 17, 42, 98])
     full = drafter.block_logits(hidden, prev, lm_head)
     short = drafter.block_logits(hidden, prev, lm_head, vocab_ids)

@@ -394,7 +394,9 @@ def cmd_profile(args) -> int:
     print(f"{'B':>4} {'measured ms':>12} {'fitted ms':>10} {'steps/s':>9}")
     for tokens, sps in sorted(((int(b), v) for b, v in profile["sps"].items())):
         key = str(tokens)
-        print(f"{tokens:>4} {profile['verify_ms_measured'][key]:>12.2f} {profile['verify_ms'][key]:>10.2f} {sps:>9.1f}")
+        print(
+            f"{tokens:>4} {profile['verify_ms_measured'][key]:>12.2f} {profile['verify_ms'][key]:>10.2f} {sps:>9.1f}"
+        )
     print(f"wrote {args.out} (put it in the drafter checkpoint's folder for verify_policy='scheduler')")
     if args.png:
         try:

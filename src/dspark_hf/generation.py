@@ -4,8 +4,9 @@
 with no registry. We wrap it once, narrowly: when the assistant's `config.model_type` is one of this package's
 drafters ("dspark" -> `DSparkCandidateGenerator`, "dspark_eagle3" -> `Eagle3CandidateGenerator`, see
 `candidate_generator_class`; duck-typed, so a drafter loaded with `trust_remote_code` works too) we return its
-candidate generator; everything else goes to the original. `enable(model)` / `disable(model)` do the same for one object only, and `generate` is a
-`custom_generate` entry point. Each private name used here is listed in `_PRIVATE_API` and checked at import.
+candidate generator; everything else goes to the original. `enable(model)` / `disable(model)` do the same for one
+object only, and `generate` is a `custom_generate` entry point. Each private name used here is listed in
+`_PRIVATE_API` and checked at import.
 Inside `record_draft_rounds()` every candidate generator the selector returns (DSpark's or transformers' own) also
 logs the wall time and size of each drafting round, for the evaluation harness.
 

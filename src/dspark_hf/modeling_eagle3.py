@@ -188,7 +188,9 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
                 cache=cache,
                 **kwargs,
             )
-        return Eagle3ModelOutput(last_hidden_state=self.norm(hidden_states), prenorm_hidden_state=hidden_states, cache=cache)
+        return Eagle3ModelOutput(
+            last_hidden_state=self.norm(hidden_states), prenorm_hidden_state=hidden_states, cache=cache
+        )
 
     # -- inference ------------------------------------------------------------------------------------------------
 
@@ -219,7 +221,9 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
         if past == 0:  # entry 0 has no earlier position: it reads zeros
             features = torch.cat([features.new_zeros(features[:, :1].shape), features], dim=1)
         if features.shape[1] != length - past:
-            raise RuntimeError(f"EAGLE-3 cache out of sync: {features.shape[1]} new features for {length - past} entries.")
+            raise RuntimeError(
+                f"EAGLE-3 cache out of sync: {features.shape[1]} new features for {length - past} entries."
+            )
         device = self.fc.weight.device
         new = sequence_ids[:, past:]
         out = self(
@@ -251,7 +255,11 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
         drafted = cache.get_seq_length() - length
         if drafted > 0:
             cache.crop(-drafted)  # self-fed entries: recomputed from target features once verified
-        logits = torch.stack(logits_out, dim=1) if logits_out else out.last_hidden_state.new_zeros(1, 0, lm_head.weight.shape[0])
+        logits = (
+            torch.stack(logits_out, dim=1)
+            if logits_out
+            else out.last_hidden_state.new_zeros(1, 0, lm_head.weight.shape[0])
+        )
         return DSparkBlockDraft(tokens=ids[:, length:], logits=logits, confidence_logits=None, survival=[])
 
     # -- training -------------------------------------------------------------------------------------------------

@@ -260,6 +260,7 @@ def plot_profile(profile: dict, png_path: str | os.PathLike) -> Path:
         from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError("plot_profile needs matplotlib: `pip install matplotlib`.") from e
+
     def by_batch(table: dict) -> dict[int, list[tuple[int, float]]]:
         series: dict[int, list[tuple[int, float]]] = {}
         for key, ms in table.items():
@@ -279,7 +280,9 @@ def plot_profile(profile: dict, png_path: str | os.PathLike) -> Path:
         if b in measured:  # the raw medians behind the monotone fit, as crosses
             raw = measured[b]
             ax_ms.plot([k for k, _ in raw], [ms for _, ms in raw], "x", color=line.get_color(), alpha=0.6)
-            ax_sps.plot([b * k for k, _ in raw], [1000.0 / ms for _, ms in raw], "x", color=line.get_color(), alpha=0.6)
+            ax_sps.plot(
+                [b * k for k, _ in raw], [1000.0 / ms for _, ms in raw], "x", color=line.get_color(), alpha=0.6
+            )
     title = "verify latency (x: measured, line: monotone fit)" if measured else "verify latency"
     ax_ms.set(xlabel="tokens per request (k)", ylabel="verify forward (ms)", title=title)
     ax_sps.set(xlabel="verify-batch tokens B", ylabel="steps / s", title="SPS(B)")

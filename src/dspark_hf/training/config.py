@@ -41,12 +41,16 @@ class DSparkTrainingConfig:
     drafter_config: str | None = field(default=None, metadata={"help": "DSparkConfig JSON (e.g. hub_configs/*.json)"})
     init_drafter: str | None = field(
         default=None,
-        metadata={"help": "start from this drafter checkpoint (its config and weights), e.g. an earlier stage's best/"},
+        metadata={
+            "help": "start from this drafter checkpoint (its config and weights), e.g. an earlier stage's best/"
+        },
     )
     drafter_kind: str = field(
         default="dspark", metadata={"help": "dspark | eagle3 (the autoregressive EAGLE-3 baseline, same pipeline)"}
     )
-    num_hidden_layers: int | None = field(default=None, metadata={"help": "draft layers (default: DSpark 2, EAGLE-3 1)"})
+    num_hidden_layers: int | None = field(
+        default=None, metadata={"help": "draft layers (default: DSpark 2, EAGLE-3 1)"}
+    )
     block_size: int = field(default=7, metadata={"help": "γ: draft tokens per block"})
     markov_rank: int = field(default=64, metadata={"help": "rank of the sequential head"})
     sequential_head: str = field(default="markov", metadata={"help": "markov | gated_markov | rnn | none (DFlash)"})
@@ -56,7 +60,9 @@ class DSparkTrainingConfig:
     )
     train_vocab_size: int = field(
         default=0,
-        metadata={"help": "train on the N most frequent supervised tokens (0: the full vocabulary); see vocab_shortlist"},
+        metadata={
+            "help": "train on the N most frequent supervised tokens (0: the full vocabulary); see vocab_shortlist"
+        },
     )
     seq_len: int = field(default=512, metadata={"help": "training sequence length (longer ones are cropped)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per step and process"})

@@ -93,7 +93,14 @@ def block_predictions(
 
 
 def training_loss(
-    drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None, features=None,
+    drafter,
+    target,
+    input_ids,
+    loss_mask,
+    num_anchors: int,
+    generator=None,
+    vocab_ids=None,
+    features=None,
     **loss_kwargs,
 ):
     """DSpark loss of one batch. input_ids, loss_mask (B, L); features as in `block_predictions`. Returns a
