@@ -6,7 +6,7 @@ between rounds, and each verifies its own number of drafts. Each `step()` is one
   admit     prefill queued requests one at a time (exactly plain `generate()`'s prefill, first token included) and
             merge their KV into the batch
   gate      under "scheduler": draft only when the round is expected to beat a plain step, counting the draft's
-            own cost (`scheduler.drafting_pays`); otherwise the round is a plain decoding step
+            own cost (`scheduler.DraftGate`); otherwise the round is a plain decoding step
   draft     one drafter pass for all rows: each row appends the target features it committed last round to its
             context and drafts a block from its anchor (the newest token, which has no features yet)
   schedule  per-row verify lengths ℓ_r: the whole block ("fixed"), the calibrated survival threshold ("threshold"),
