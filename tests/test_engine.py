@@ -424,6 +424,8 @@ def test_bad_engine_arguments(target, drafter):
     for bad in (-1.0, "fast", True):
         with pytest.raises(ValueError, match="draft_seconds"):
             Engine(target, drafter, verify_policy="scheduler", sps=FLAT_SPS, draft_seconds=bad)
+    with pytest.raises(ValueError, match="draft_seconds` prices the draft gate"):
+        Engine(target, drafter, verify_policy="scheduler", sps=FLAT_SPS, gate_drafts=False, draft_seconds=0.1)
     other_target = make_target(num_layers=3)
     with pytest.raises(ValueError):
         Engine(other_target, drafter)  # the drafter was made for another target (config.check_target)

@@ -169,6 +169,9 @@ def test_draft_gate_measures_then_predicts_and_probes():
     assert decisions == [False, False, False, True]  # three plain rounds, then a probe
     gate.record(0.0, [[0.9, 0.5], [0.7]])  # the smoothed cost falls to 0.4 s: still dear
     assert gate.cost(2) == pytest.approx(0.4) and not gate.should_draft([[0.9, 0.5], None], [4, 4])
+    for bad in ({"draft_seconds": -0.1}, {"probe_interval": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DraftGate(sps, **bad)
     cheap = DraftGate(sps, draft_seconds=lambda rows: 0.001 * rows)
     cheap.record(9.0, [[0.9]])  # a fixed cost model ignores the measurement
     assert cheap.cost(2) == pytest.approx(0.002) and cheap.should_draft([[0.9, 0.5], None], [4, 4])

@@ -209,10 +209,11 @@ class Engine:
                 f"gate_drafts=True needs verify_policy='scheduler' (it weighs a draft against the SPS profile); "
                 f"the policy here is {self.policy!r}."
             )
-        if draft_seconds is not None and not callable(draft_seconds):
-            if isinstance(draft_seconds, bool) or not isinstance(draft_seconds, (int, float)) or draft_seconds < 0:
-                raise ValueError(f"`draft_seconds` must be None, seconds >= 0 or a callable, got {draft_seconds!r}.")
-        return gate_drafts
+        if draft_seconds is not None and not gate_drafts:
+            raise ValueError(
+                "`draft_seconds` prices the draft gate, which is off here; pass gate_drafts=True or drop it."
+            )
+        return gate_drafts  # DraftGate checks draft_seconds itself
 
     # -- requests -----------------------------------------------------------------------------------------------
 

@@ -110,6 +110,11 @@ class DraftGate:
     """
 
     def __init__(self, sps: SPS, draft_seconds: float | Callable[[int], float] | None = None, probe_interval: int = 8):
+        if draft_seconds is not None and not callable(draft_seconds):
+            if isinstance(draft_seconds, bool) or not isinstance(draft_seconds, (int, float)) or draft_seconds < 0:
+                raise ValueError(f"`draft_seconds` must be None, seconds >= 0 or a callable, got {draft_seconds!r}.")
+        if isinstance(probe_interval, bool) or not isinstance(probe_interval, int) or probe_interval < 1:
+            raise ValueError(f"`probe_interval` must be a positive int, got {probe_interval!r}.")
         self.sps, self.draft_seconds, self.probe_interval = sps, draft_seconds, probe_interval
         self.measured: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
         self.prior: list[float] | None = None
