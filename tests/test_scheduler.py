@@ -169,12 +169,36 @@ def test_draft_gate_measures_then_predicts_and_probes():
     assert decisions == [False, False, False, True]  # three plain rounds, then a probe
     gate.record(0.0, [[0.9, 0.5], [0.7]])  # the smoothed cost falls to 0.4 s: still dear
     assert gate.cost(2) == pytest.approx(0.4) and not gate.should_draft([[0.9, 0.5], None], [4, 4])
-    for bad in ({"draft_seconds": -0.1}, {"probe_interval": 0}):
+    for bad in ({"draft_seconds": -0.1}, {"probe_interval": 0}, {"max_probe_interval": 2}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DraftGate(sps, **bad)
     cheap = DraftGate(sps, draft_seconds=lambda rows: 0.001 * rows)
     cheap.record(9.0, [[0.9]])  # a fixed cost model ignores the measurement
     assert cheap.cost(2) == pytest.approx(0.002) and cheap.should_draft([[0.9, 0.5], None], [4, 4])
+
+
+def test_draft_gate_backs_off_while_probes_fail_and_resets_when_drafting_pays():
+    """Each probe that still predicts no gain doubles the plain rounds before the next (3, 6, 12, then the cap of
+    12); a round predicted to pay brings the interval back to 3."""
+    sps = {b: 10.0 for b in range(1, 10)}
+    gate = DraftGate(sps, draft_seconds=0.5, probe_interval=3, max_probe_interval=12)
+    gate.record(0.5, [[0.1]])
+    hopeless, sure = [[0.1]], [[0.99, 0.99, 0.99]]
+    drafted = []
+    for _ in range(40):
+        if gate.should_draft(hopeless, [4]):
+            drafted.append(gate.plain_in_a_row)
+            gate.record(0.5, hopeless)
+    assert drafted == [3, 6, 12, 12]
+    free = DraftGate(sps, draft_seconds=lambda rows: free_cost[0], probe_interval=3, max_probe_interval=12)
+    free_cost = [0.5]
+    free.record(0.5, hopeless)
+    for _ in range(3 + 1 + 5):  # a failed probe after 3 plain rounds, then 5 of the 6 of the doubled wait
+        if free.should_draft(hopeless, [4]):
+            free.record(0.5, hopeless)
+    assert free.wait == 6
+    free_cost[0] = 0.0  # drafting became free: the next round drafts and the interval resets
+    assert free.should_draft(sure, [4]) and free.wait == 3
 
 
 def test_conditional_confidences_undo_the_cumulative_product():

@@ -83,6 +83,35 @@ def test_loss_terms_on_hand_made_distributions():
     assert out.accept_rate[0].item() == pytest.approx(0.75)
 
 
+def test_kl_term_on_hand_made_distributions():
+    # the same block: KL(p_t || p_d) at the supervised position only, added with its weight, off by default
+    draft = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.2, 0.2, 0.6]]]))
+    target = torch.log(torch.tensor([[[0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]]))
+    labels, valid = torch.tensor([[1, 2]]), torch.tensor([[True, False]])
+    kl = 0.25 * math.log(0.25 / 0.5) + 0.5 * math.log(0.5 / 0.25)
+    base = dspark_loss(draft, target, labels, valid)
+    assert base.kl.item() == 0.0
+    out = dspark_loss(draft, target, labels, valid, alpha_kl=2.0)
+    assert out.kl.item() == pytest.approx(kl)
+    assert out.loss.item() == pytest.approx(base.loss.item() + 2.0 * kl)
+    same = dspark_loss(target, target, labels, valid, alpha_kl=1.0)
+    assert same.kl.item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_kl_gradient_does_not_vanish_where_l1_does():
+    # a drafter that puts almost no mass on the target's token: the L1 term's logit gradient is O(p_d), the KL's
+    # is p_d - p_t, so only the KL moves that logit
+    target = torch.log(torch.tensor([[[0.01, 0.98, 0.01]]]))
+    labels, valid = torch.tensor([[1]]), torch.tensor([[True]])
+    grads = {}
+    for name, kwargs in {"tv": {}, "kl": {"alpha_kl": 1.0, "alpha_tv": 0.0}}.items():
+        draft = torch.tensor([[[12.0, 0.0, 0.0]]], requires_grad=True)
+        dspark_loss(draft, target, labels, valid, alpha_ce=0.0, **kwargs).loss.backward()
+        grads[name] = -draft.grad[0, 0, 1].item()  # how hard the loss pushes the target's token up
+    assert grads["kl"] == pytest.approx(0.98, abs=1e-3)
+    assert 0 < grads["tv"] < 1e-4
+
+
 def test_weighted_mean_normalisation():
     draft = torch.zeros(1, 2, 4)
     target = torch.zeros(1, 2, 4)

@@ -106,29 +106,51 @@ class DraftGate:
     mean of the last drafted round) and prices the draft pass at `draft_seconds` (a float or a callable from the
     number of rows; None measures it per number of rows, smoothed). It drafts anyway while that cost is unknown
     and after `probe_interval` plain rounds in a row, which refreshes the predictions and the measurement, so a
-    load that drops or a stretch of easy text reopens it.
+    load that drops or a stretch of easy text reopens it. A probe whose round still predicts that drafting does not
+    pay doubles the wait before the next one (up to `max_probe_interval`), since on text the drafter cannot follow
+    each probe is a draft pass for nothing; a round that pays resets it to `probe_interval`.
     """
 
-    def __init__(self, sps: SPS, draft_seconds: float | Callable[[int], float] | None = None, probe_interval: int = 8):
+    def __init__(
+        self,
+        sps: SPS,
+        draft_seconds: float | Callable[[int], float] | None = None,
+        probe_interval: int = 8,
+        max_probe_interval: int = 64,
+    ):
         if draft_seconds is not None and not callable(draft_seconds):
             if isinstance(draft_seconds, bool) or not isinstance(draft_seconds, (int, float)) or draft_seconds < 0:
                 raise ValueError(f"`draft_seconds` must be None, seconds >= 0 or a callable, got {draft_seconds!r}.")
-        if isinstance(probe_interval, bool) or not isinstance(probe_interval, int) or probe_interval < 1:
-            raise ValueError(f"`probe_interval` must be a positive int, got {probe_interval!r}.")
-        self.sps, self.draft_seconds, self.probe_interval = sps, draft_seconds, probe_interval
+        for name, value in (("probe_interval", probe_interval), ("max_probe_interval", max_probe_interval)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        if max_probe_interval < probe_interval:
+            raise ValueError(
+                f"`max_probe_interval` ({max_probe_interval}) must be at least `probe_interval` ({probe_interval})."
+            )
+        self.sps, self.draft_seconds = sps, draft_seconds
+        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.measured: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
         self.prior: list[float] | None = None
         self.plain_in_a_row = 0
+        self.wait = probe_interval  # plain rounds before the next probe (backs off while probes fail)
+        self.probing = False  # the last drafted round was a probe
 
     def should_draft(self, hints: Sequence[Sequence[float] | None], caps: Sequence[int]) -> bool:
         """hints[r]: request r's conditional confidences of its last drafted round (None if it has none);
         caps[r]: drafts it may verify this round. False means: make this round a plain step."""
         seconds = self.cost(len(hints))
-        if seconds is None or self.prior is None or self.plain_in_a_row >= self.probe_interval:
+        if seconds is None or self.prior is None:
+            return True
+        if self.plain_in_a_row >= self.wait:
+            self.probing = True
             return True
         predicted = [(self.prior if hint is None else hint)[:cap] for hint, cap in zip(hints, caps)]
         if drafting_pays(predicted, self.sps, seconds):
+            self.wait, self.probing = self.probe_interval, False
             return True
+        if self.probing:  # the probe found nothing worth drafting: wait longer for the next one
+            self.wait, self.probing = min(2 * self.wait, self.max_probe_interval), False
         self.plain_in_a_row += 1
         return False
 

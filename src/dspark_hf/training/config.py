@@ -24,7 +24,8 @@ class DSparkTrainingConfig:
     Optimisation: AdamW (`learning_rate`, `weight_decay`), `warmup_ratio` then cosine decay to 0 over `max_steps`,
         `grad_clip`, `mixed_precision` ("no" or "bf16").
     Speed: `train_vocab_size` restricts the training-time output to a shortlist of frequent tokens.
-    Loss: `alpha_ce`, `alpha_tv`, `alpha_conf`, `loss_decay` (DeepSpec: 0.1 / 0.9 / 1.0, decay 4.0).
+    Loss: `alpha_ce`, `alpha_tv`, `alpha_conf`, `loss_decay` (DeepSpec: 0.1 / 0.9 / 1.0, decay 4.0); `alpha_kl`
+        adds the forward KL to the target's distribution (0 in the paper's recipe).
     Run: `output_dir`, `save_every`, `log_every`, `seed`, `target` (a model path; None = the embedded default).
     """
 
@@ -75,6 +76,7 @@ class DSparkTrainingConfig:
     mixed_precision: str = field(default="no", metadata={"help": "no | bf16"})
     alpha_ce: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term"})
     alpha_tv: float = field(default=0.9, metadata={"help": "weight of the L1 (2·TV) term"})
+    alpha_kl: float = field(default=0.0, metadata={"help": "weight of the forward KL(p_t || p_d) term"})
     alpha_conf: float = field(default=1.0, metadata={"help": "weight of the confidence BCE term"})
     loss_decay: float = field(default=4.0, metadata={"help": "position weights exp(-(k-1)/decay)"})
     save_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})

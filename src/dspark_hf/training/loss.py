@@ -1,9 +1,14 @@
-"""The DSpark training loss: L = α_ce·CE + α_tv·L1(p_d, p_t) + α_conf·BCE(c, c*), position-weighted means.
+"""The DSpark training loss: L = α_ce·CE + α_tv·L1(p_d, p_t) + α_kl·KL(p_t‖p_d) + α_conf·BCE(c, c*), position-
+weighted means.
 
 Following DeepSpec's loss (DSpark paper Eqs. 9-12): the draft distribution p_d includes the teacher-forced
 sequential bias; p_t is the target's T = 1 distribution at the same position; the confidence target is the analytic
 acceptance rate c* = 1 - ½‖p_d - p_t‖₁, clamped and detached; w_k = exp(-(k-1)/decay) with decay 4.0 for γ = 7.
 Each term is Σ w·loss / Σ w over supervised positions (weighted means, not sums).
+
+Deviation (off by default, α_kl = 0): the forward KL to the target's distribution, the distillation loss of
+EAGLE-style drafters. L1 is what acceptance measures, but its gradient on a token's logit scales with p_d of that
+token, so a drafter far from the target learns slowly; the KL's gradient (p_d - p_t) does not vanish there.
 """
 
 from dataclasses import dataclass
@@ -22,6 +27,7 @@ class DSparkLossOutput:
     loss: torch.Tensor
     ce: torch.Tensor
     tv: torch.Tensor
+    kl: torch.Tensor
     conf: torch.Tensor
     accuracy: torch.Tensor  # (γ,) top-1 agreement with the label per position (for logging)
     accept_rate: torch.Tensor  # (γ,) mean analytic acceptance c* per position
@@ -38,6 +44,7 @@ def dspark_loss(
     alpha_ce: float = 0.1,
     alpha_tv: float = 0.9,
     alpha_conf: float = 1.0,
+    alpha_kl: float = 0.0,
 ) -> DSparkLossOutput:
     """draft_logits, target_logits (..., γ, V); labels, valid (..., γ); confidence_logits (..., γ) or None.
 
@@ -54,6 +61,11 @@ def dspark_loss(
     if alpha_tv or confidence_logits is not None:
         l1 = (log_pd.exp() - F.softmax(target_logits.float(), dim=-1)).abs().sum(-1)  # (..., γ), = 2·TV
         tv = (weights * l1).sum() / denom
+    kl = zero
+    if alpha_kl:
+        log_pt = F.log_softmax(target_logits.float(), dim=-1)
+        kl_k = (log_pt.exp() * (log_pt - log_pd)).sum(-1)  # (..., γ)
+        kl = (weights * kl_k).sum() / denom
     conf = zero
     # c* per position (logged as accept_rate; the confidence target); needs the L1 term, computed above if either
     accept = (1 - 0.5 * l1).clamp(0, 1).detach() if alpha_tv or confidence_logits is not None else None
@@ -61,7 +73,7 @@ def dspark_loss(
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
         conf = (weights * bce).sum() / denom
     ce_mean = (weights * ce).sum() / (weights * in_vocab).sum().clamp(min=1e-8)
-    loss = alpha_ce * ce_mean + alpha_tv * tv + alpha_conf * conf
+    loss = alpha_ce * ce_mean + alpha_tv * tv + alpha_kl * kl + alpha_conf * conf
     with torch.no_grad():
         flat_valid = valid.reshape(-1, gamma).float()
         hits = (draft_logits.argmax(-1) == labels).reshape(-1, gamma).float()
@@ -72,5 +84,5 @@ def dspark_loss(
         leading = hits.cumprod(-1).sum(-1)  # drafts a greedy verifier would accept (labels = target greedy tokens)
         greedy_tau = 1 + (leading[full].mean() if full.any() else leading.new_zeros(()))
     return DSparkLossOutput(
-        loss=loss, ce=ce_mean, tv=tv, conf=conf, accuracy=accuracy, accept_rate=rate, greedy_tau=greedy_tau
+        loss=loss, ce=ce_mean, tv=tv, kl=kl, conf=conf, accuracy=accuracy, accept_rate=rate, greedy_tau=greedy_tau
     )

@@ -228,6 +228,7 @@ class DSparkTrainer:
             decay=cfg.loss_decay,
             alpha_ce=cfg.alpha_ce,
             alpha_tv=cfg.alpha_tv,
+            alpha_kl=cfg.alpha_kl,
             alpha_conf=cfg.alpha_conf,
         )
 
@@ -280,6 +281,7 @@ class DSparkTrainer:
             "loss": out.loss.item(),
             "ce": out.ce.item(),
             "tv": out.tv.item(),
+            "kl": out.kl.item(),
             "conf": out.conf.item(),
             "grad_norm": float(grad_norm),
             "lr": self.scheduler.get_last_lr()[0],
