@@ -19,6 +19,8 @@ import torch
 from dspark_hf import DSparkDraftModel
 from dspark_hf.evaluation import model_card_results
 from dspark_hf.hub import save_for_hub
+from dspark_hf.training.dataset import TokenDataset
+from dspark_hf.training.step import vocab_shortlist
 
 
 MAX_BYTES = 40 * 1024 * 1024
@@ -39,7 +41,15 @@ def main() -> None:
         help="the target's Hub name for the card (instead of the local GGUF folder it was trained from)",
     )
     parser.add_argument("--notes", help="a Markdown file appended to the model card (e.g. what limits the numbers)")
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="draft among the N most frequent supervised tokens of --data's train.npz (0: the whole vocabulary)",
+    )
     args = parser.parse_args()
+    if args.draft_vocab and not args.data:
+        raise SystemExit("--draft-vocab needs --data (the draft vocabulary comes from its train.npz).")
 
     drafter = DSparkDraftModel.from_pretrained(args.drafter)
     results = None
@@ -50,6 +60,10 @@ def main() -> None:
     if args.data:
         training["data"] = json.loads((Path(args.data) / "stats.json").read_text())
     drafter.config.target_name_or_path = args.target_name
+    if args.draft_vocab:
+        special = [i for i in (drafter.config.eos_token_id, drafter.config.bos_token_id) if isinstance(i, int)]
+        dataset = TokenDataset.load(Path(args.data) / "train.npz")
+        drafter.set_draft_vocab(vocab_shortlist(dataset, args.draft_vocab, always=special))
     drafter = drafter.to(torch.bfloat16)
     out = save_for_hub(drafter, args.out, results=results, training=training, with_code=False)
     if args.notes:

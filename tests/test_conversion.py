@@ -364,6 +364,20 @@ def test_ours_to_deepspec_to_ours_is_bit_exact(tmp_path, head):
     assert not list(tmp_path.glob(".deepspec.tmp-*"))  # the temporary folder was renamed into place
 
 
+def test_export_drops_the_draft_vocabulary(tmp_path):
+    """DeepSpec drafts over the whole vocabulary: the export leaves the draft vocabulary out and loads back without
+    it, every other weight bit-exact."""
+    target = make_qwen3_target()
+    drafter = make_drafter(target, mask_token_id=MASK_TOKEN)
+    drafter.set_draft_vocab(list(range(0, 40)))
+    out = export_deepspec(drafter, target, tmp_path / "deepspec")
+    assert "draft_vocab_ids" not in load_file(out / "model.safetensors")
+    back = DSparkDraftModel.from_pretrained(out)
+    assert back.draft_vocab_ids is None and back.config.draft_vocab_size == 0
+    drafter.set_draft_vocab(None)
+    assert_same_weights(back.state_dict(), drafter.state_dict())
+
+
 def test_llama_family_drafters_export_as_the_qwen3_layout(tmp_path):
     """Qwen3DSparkModel's layer is ours with QK-norm: a Llama-target drafter built with QK-norm and a vocabulary mask
     token exports to it (llama3 RoPE scaling and a tied target head included) and comes back bit-exact."""

@@ -78,6 +78,8 @@ def setup_models(kind="dspark"):
     if kind == "eagle3":
         return target, make_eagle(target, block_size=3)
     drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="threshold", confidence_threshold=0.3)
+    if kind == "dspark_draft_vocab":  # drafts never propose token 2; the target still emits it at its rate
+        drafter.set_draft_vocab([0, 1, 3])
     return target, drafter
 
 
@@ -95,6 +97,12 @@ def run_check(n, temperature=1.0, top_k=None, top_p=None, kind="dspark"):
 def test_sampling_matches_target_distribution(sampling, kind):
     (rejects, stat, critical), drafter = run_check(1500, kind=kind, **sampling)
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: {kind} sampling differs from the target's distribution"
+
+
+def test_sampling_with_a_draft_vocabulary_matches_target_distribution():
+    """Drafts never propose token 2 (q = 0 there): the residual distribution has to supply it at the target's rate."""
+    (rejects, stat, critical), _ = run_check(1500, kind="dspark_draft_vocab")
+    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: sampling with a draft vocabulary differs from the target's"
 
 
 @pytest.mark.slow

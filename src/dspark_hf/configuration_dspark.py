@@ -326,6 +326,10 @@ class DSparkConfig(DrafterConfig):
         confidence_threshold (`float`): survival threshold of the `"threshold"` policy.
         draft_gate (`bool`): under `"scheduler"`, skip a round's draft pass when it is not expected to pay for itself
             (`scheduler.DraftGate`: the round is then a plain decoding step); False drafts every round.
+        draft_vocab_size (`int`): 0 drafts over the whole vocabulary; N > 0 drafts only among N token ids (the
+            `draft_vocab_ids` buffer of the checkpoint, set with `DSparkDraftModel.set_draft_vocab`), so the LM head
+            and the sequential head compute N columns. Verification stays exact: a token outside them is simply
+            never drafted.
     """
 
     model_type = "dspark"
@@ -340,6 +344,7 @@ class DSparkConfig(DrafterConfig):
     verify_policy: str = "threshold"
     confidence_threshold: float | int = 0.1
     draft_gate: bool = True
+    draft_vocab_size: int = 0
 
     def __post_init__(self, **kwargs):
         if self.sts_temperatures is None:
@@ -378,6 +383,11 @@ class DSparkConfig(DrafterConfig):
             )
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise ValueError(f"`confidence_threshold` must lie in [0, 1], got {self.confidence_threshold}.")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"`draft_vocab_size` must lie in [0, vocab_size={self.vocab_size}] (0: the whole vocabulary), "
+                f"got {self.draft_vocab_size}."
+            )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"`mask_token_id={self.mask_token_id}` is outside the vocabulary (0..{self.vocab_size - 1}); "

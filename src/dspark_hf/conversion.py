@@ -438,6 +438,8 @@ def export_deepspec(
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it.")
     dtype = drafter.dtype
     state_dict = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    if state_dict.pop("draft_vocab_ids", None) is not None:
+        logger.info("DeepSpec drafts over the whole vocabulary: the draft vocabulary is not exported.")
     borrowed = zip(BORROWED_KEYS, (target.get_input_embeddings(), target.get_output_embeddings()))
     for key, module in borrowed:
         # clone: a tied target shares one tensor between both, which safetensors refuses to store twice

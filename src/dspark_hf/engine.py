@@ -435,18 +435,18 @@ class Engine:
             return _Block(tokens, None, caps, [[] for _ in requests])
         # One LM-head product for the block; a policy that can stop early takes the first two positions first
         first = steps if self.policy == "fixed" else min(2, steps)
-        base = self.drafter.base_logits(hidden[:, :first], self.lm_head)  # (B, K', V)
+        base = self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)  # (B, K', V)
         sampling = any(r.do_sample for r in requests)
         logits_out = base.new_zeros(len(requests), steps, base.shape[-1]) if sampling else None
         conditional, state = [], None
         for k in range(steps):
             if k == base.shape[1]:
-                base = torch.cat([base, self.drafter.base_logits(hidden[:, k:steps], self.lm_head)], dim=1)
+                base = torch.cat([base, self.drafter.draft_base_logits(hidden[:, k:steps], self.lm_head)], dim=1)
             h_k = hidden[:, k : k + 1]
             conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1) or None without a confidence head
             if conf is not None:
                 conditional.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]).tolist())  # STS-calibrated c_k
-            bias, state = self.drafter.sequential_bias(prev, h_k, state)
+            bias, state = self.drafter.draft_sequential_bias(prev, h_k, state)
             logits = self._warp(base[:, k] if bias is None else base[:, k] + bias[:, 0], requests)  # (B, V)
             tokens[:, k] = self._choose(logits, requests, live=[k < cap for cap in caps])
             if logits_out is not None:

@@ -35,7 +35,7 @@ from transformers.utils import logging
 
 from .configuration_dspark import DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, DSparkConfidenceHead, survival_probabilities
-from .utils import linear_few_rows
+from .utils import gathered_rows, linear_few_rows
 
 
 logger = logging.get_logger(__name__)
@@ -228,10 +228,11 @@ class DrafterMixin:
             if vocab_ids is not None:
                 weight, bias = weight[vocab_ids], None if bias is None else bias[vocab_ids]
             logits = linear_few_rows(hidden_states, weight, bias).float()
+        return self._softcap(logits)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def training_logits(self, features, input_ids, blocks, embed_tokens, lm_head, vocab_ids=None, forward=None):
         """Teacher-forced draft logits of the training blocks, computed the way inference drafts them.
@@ -289,7 +290,55 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
         if config.confidence_head:
             rank = config.markov_rank if config.confidence_with_markov else None
             self.confidence_head = DSparkConfidenceHead(d, rank)
+        # deviation from DFlash/DeepSpec: an optional draft vocabulary (token ids drafted from, sorted), see
+        # `set_draft_vocab`; a buffer, so it travels in model.safetensors
+        n = config.draft_vocab_size
+        self.register_buffer("draft_vocab_ids", torch.arange(n) if n else None)
         self.post_init()
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None) -> None:
+        """Draft only among `token_ids` (e.g. the most frequent tokens of the training data, `vocab_shortlist`), or
+        over the whole vocabulary again with None. The LM head and the sequential head then compute these columns
+        only; the rest of the draft distribution is 0 (logits -inf), which rejection sampling handles exactly.
+        Saved with the checkpoint (`config.draft_vocab_size` and the `draft_vocab_ids` buffer)."""
+        if token_ids is None:
+            self.draft_vocab_ids, self.config.draft_vocab_size = None, 0
+            return
+        ids = torch.as_tensor(token_ids)
+        if ids.ndim != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"`token_ids` must be a non-empty 1-D list of token ids, got shape {tuple(ids.shape)}.")
+        ids = ids.long().unique()  # sorted
+        if len(ids) != len(torch.as_tensor(token_ids)):
+            raise ValueError("`token_ids` has duplicates; pass each token id once.")
+        if ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+            raise ValueError(f"`token_ids` must lie in [0, {self.config.vocab_size}), got {ids[0]}..{ids[-1]}.")
+        device = next(self.parameters()).device
+        self.draft_vocab_ids, self.config.draft_vocab_size = ids.to(device), len(ids)
+
+    def draft_base_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """`U_k` at inference: (B, K, d) -> (B, K, V) float32. With a draft vocabulary only its columns are computed
+        (the LM head's rows gathered once and kept, `utils.gathered_rows`) and every other logit is -inf."""
+        ids = self.draft_vocab_ids
+        plain = type(lm_head) is nn.Linear and not (lm_head._forward_hooks or lm_head._forward_pre_hooks)
+        if ids is None or not plain:  # a quantised or hooked head computes the whole vocabulary itself
+            return self.base_logits(hidden_states, lm_head)
+        weight = gathered_rows(self, lm_head.weight, ids)
+        bias = None if lm_head.bias is None else lm_head.bias[ids]
+        logits = self._softcap(linear_few_rows(hidden_states.to(weight.dtype), weight, bias).float())
+        return self._scatter(logits, float("-inf"), lm_head.weight.shape[0])
+
+    def draft_sequential_bias(self, prev_ids, hidden_states, state=None):
+        """`sequential_bias` at inference: (B, K, V) over the draft vocabulary's columns (0 elsewhere), or None."""
+        ids = self.draft_vocab_ids
+        if ids is None or self.markov_head is None:
+            return self.sequential_bias(prev_ids, hidden_states, state)
+        bias, state = self.sequential_bias(prev_ids, hidden_states, state, vocab_ids=ids)
+        return self._scatter(bias, 0.0, self.config.vocab_size), state
+
+    def _scatter(self, values: torch.Tensor, fill: float, vocab_size: int) -> torch.Tensor:
+        """(..., V') at the draft vocabulary's columns -> (..., V) with `fill` elsewhere."""
+        full = values.new_full((*values.shape[:-1], vocab_size), fill)
+        return full.index_copy_(-1, self.draft_vocab_ids, values)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -450,7 +499,7 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
         being the anchor. Returns a `DSparkBlockDraft`.
         """
         gamma = hidden_states.shape[1] if max_tokens is None else min(max_tokens, hidden_states.shape[1])
-        base = self.base_logits(hidden_states[:, :gamma], lm_head)  # (1, γ, V), one LM-head matmul for the block
+        base = self.draft_base_logits(hidden_states[:, :gamma], lm_head)  # (1, γ, V), one LM-head matmul
         temperatures = self.sts_temperatures
         ids, prev, state, survival = sequence_ids, sequence_ids[:, -1:], None, 1.0
         logits_out, conf_out, survivals = [], [], []
@@ -463,10 +512,16 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
                 survivals.append(survival)
             if admit is not None and not admit(k + 1, survival):
                 break
-            bias, state = self.sequential_bias(prev, h_k, state)
+            bias, next_state = self.draft_sequential_bias(prev, h_k, state)
             logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]
             if logits_processor is not None:
                 logits = logits_processor(ids, logits)
+                if self.draft_vocab_ids is not None and not torch.isfinite(logits).any():
+                    # the processors ruled out the whole draft vocabulary: draft this one over all of it
+                    full_bias, _ = self.sequential_bias(prev, h_k, state)
+                    logits = self.base_logits(h_k, lm_head)[:, 0]
+                    logits = logits_processor(ids, logits if full_bias is None else logits + full_bias[:, 0])
+            state = next_state
             if do_sample:
                 token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
             else:

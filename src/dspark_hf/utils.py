@@ -56,3 +56,19 @@ def linear_few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if bias is not None:
         out = out + bias
     return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+
+
+def gathered_rows(owner: object, weight: torch.Tensor, ids: torch.LongTensor) -> torch.Tensor:
+    """`weight[ids]`, kept on `owner` between calls while no gradient is needed (inference with a draft vocabulary).
+
+    Gathering the rows of a (V, d) LM head on every draft would copy tens of MB per round; the cached copy is used
+    as long as neither tensor changed (same storage, same in-place version counter), and rebuilt otherwise.
+    """
+    if torch.is_grad_enabled():
+        return weight[ids]
+    key = (weight.data_ptr(), weight._version, weight.dtype, ids.data_ptr(), ids._version, len(ids))
+    cache = owner.__dict__.setdefault("_gathered_rows", {})
+    hit = cache.get(id(weight))
+    if hit is None or hit[0] != key:
+        hit = cache[id(weight)] = (key, weight[ids])
+    return hit[1]

@@ -1,0 +1,126 @@
+"""A draft vocabulary (`set_draft_vocab`): drafts come from a token subset, outputs stay exactly the target's."""
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from conftest import make_drafter
+from dspark_hf import DSparkDraftModel
+from dspark_hf.engine import Engine
+
+
+HALF = list(range(0, 99, 2))  # the even token ids of the tiny 99-token target
+
+
+def greedy(target, ids, **kwargs):
+    return target.generate(ids, do_sample=False, **kwargs)
+
+
+def block_hidden(drafter, target):
+    torch.manual_seed(5)
+    return torch.randn(1, drafter.config.block_size, target.config.hidden_size)
+
+
+@torch.no_grad()
+def test_draft_logits_are_the_full_logits_on_the_draft_vocabulary(target):
+    drafter = make_drafter(target)
+    hidden, prev = block_hidden(drafter, target), torch.tensor([[3]])
+    lm_head = target.get_output_embeddings()
+    full_base = drafter.draft_base_logits(hidden, lm_head)
+    full_bias, _ = drafter.draft_sequential_bias(prev, hidden[:, :1])
+    drafter.set_draft_vocab(HALF)
+    base = drafter.draft_base_logits(hidden, lm_head)
+    bias, _ = drafter.draft_sequential_bias(prev, hidden[:, :1])
+    torch.testing.assert_close(base[..., HALF], full_base[..., HALF])
+    torch.testing.assert_close(bias[..., HALF], full_bias[..., HALF])
+    odd = list(range(1, 99, 2))
+    assert torch.isneginf(base[..., odd]).all() and (bias[..., odd] == 0).all()
+    # the gathered LM-head rows are reused between calls, and rebuilt when the head's weight changes in place
+    cached = drafter._gathered_rows[id(lm_head.weight)][1]
+    drafter.draft_base_logits(hidden, lm_head)
+    assert drafter._gathered_rows[id(lm_head.weight)][1] is cached
+    lm_head.weight.mul_(2.0)
+    torch.testing.assert_close(drafter.draft_base_logits(hidden, lm_head)[..., HALF], 2 * base[..., HALF])
+
+
+def test_sampled_blocks_stay_in_the_draft_vocabulary(target):
+    drafter = make_drafter(target, verify_policy="fixed")
+    drafter.set_draft_vocab(HALF)
+    hidden, lm_head = block_hidden(drafter, target), target.get_output_embeddings()
+    for do_sample in (False, True):
+        block = drafter.sample_block(hidden, torch.tensor([[1, 2, 3]]), lm_head, do_sample=do_sample)
+        assert len(block.tokens[0]) == drafter.config.block_size
+        assert all(t % 2 == 0 for t in block.tokens[0].tolist())
+
+
+@pytest.mark.parametrize("policy", ["fixed", "threshold"])
+def test_greedy_with_a_draft_vocabulary_matches_plain_greedy(target, policy):
+    drafter = make_drafter(target, verify_policy=policy)
+    drafter.set_draft_vocab(HALF)
+    ids = torch.randint(0, 99, (1, 7))
+    ref = greedy(target, ids, max_new_tokens=25)
+    assert torch.equal(greedy(target, ids, max_new_tokens=25, assistant_model=drafter), ref)
+    assert drafter.generation_stats.num_new_tokens == 25
+
+
+class BanEven(LogitsProcessor):
+    """Rules out every even token: the whole draft vocabulary of these tests."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, ::2] = float("-inf")
+        return scores
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_processors_that_rule_out_the_draft_vocabulary_fall_back_to_the_whole(target, do_sample):
+    """No draft is drawn from an all -inf row (argmax of nothing, NaN probabilities): that position drafts over the
+    whole vocabulary, and the output is still the target's."""
+    drafter = make_drafter(target, verify_policy="fixed")
+    drafter.set_draft_vocab(HALF)
+    ids = torch.randint(0, 99, (1, 5))
+    kwargs = dict(max_new_tokens=20, logits_processor=LogitsProcessorList([BanEven()]), do_sample=do_sample)
+    torch.manual_seed(0)
+    out = target.generate(ids, assistant_model=drafter, **kwargs)
+    assert all(t % 2 == 1 for t in out[0, 5:].tolist())
+    if not do_sample:
+        assert torch.equal(out, target.generate(ids, **kwargs))
+
+
+def test_engine_with_a_draft_vocabulary_matches_plain(target):
+    drafter = make_drafter(target)
+    drafter.set_draft_vocab(HALF)
+    prompts = [torch.randint(0, 99, (n,)).tolist() for n in (3, 9, 14)]
+    engine = Engine(target, drafter, verify_policy="fixed", max_batch_size=3)
+    outputs = engine.generate(prompts, max_new_tokens=16)
+    for prompt, out in zip(prompts, outputs):
+        ref = greedy(target, torch.tensor([prompt]), max_new_tokens=16)[0, len(prompt) :].tolist()
+        assert out == ref
+
+
+def test_draft_vocabulary_is_saved_and_loaded(target, tmp_path):
+    drafter = make_drafter(target)
+    drafter.set_draft_vocab([40, 2, 7, 98])
+    assert drafter.config.draft_vocab_size == 4 and drafter.draft_vocab_ids.tolist() == [2, 7, 40, 98]
+    drafter.save_pretrained(tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded = DSparkDraftModel.from_pretrained(tmp_path, dtype=dtype)
+        assert loaded.draft_vocab_ids.dtype == torch.long and loaded.draft_vocab_ids.tolist() == [2, 7, 40, 98]
+    loaded.set_draft_vocab(None)
+    assert loaded.draft_vocab_ids is None and loaded.config.draft_vocab_size == 0
+    loaded.save_pretrained(tmp_path / "full")
+    assert DSparkDraftModel.from_pretrained(tmp_path / "full").draft_vocab_ids is None
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [([], "non-empty"), ([[1, 2]], "1-D"), ([1.5, 2.0], "token ids"), ([3, 3], "duplicates"), ([5, 99], r"\[0, 99\)")],
+)
+def test_bad_draft_vocabularies_are_refused(target, bad, match):
+    with pytest.raises(ValueError, match=match):
+        make_drafter(target).set_draft_vocab(bad)
+
+
+def test_config_refuses_a_draft_vocabulary_larger_than_the_vocabulary(target):
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        make_drafter(target, draft_vocab_size=100)
