@@ -14,6 +14,8 @@ Every head accepts `K` positions at once (teacher forcing in training) or `K = 1
 import torch
 from torch import nn
 
+from .utils import gathered_rows
+
 
 class DSparkMarkovHead(nn.Module):
     """Vanilla low-rank first-order Markov bias: `B(x_{k-1}, ·) = W1[x_{k-1}] W2` (DSpark paper, Eq. 5).
@@ -34,7 +36,7 @@ class DSparkMarkovHead(nn.Module):
         """`z W2` over the vocabulary, or over the shortlist `vocab_ids` (V',): (B, K, r) -> (B, K, V or V')."""
         if vocab_ids is None:
             return self.markov_w2(z)
-        return nn.functional.linear(z, self.markov_w2.weight[vocab_ids])
+        return nn.functional.linear(z, gathered_rows(self, self.markov_w2.weight, vocab_ids))
 
     def forward(self, prev_ids, hidden_states, state=None, vocab_ids=None):
         """prev_ids (B, K), hidden_states (B, K, d) -> bias (B, K, V), state (unused, passed through)."""
