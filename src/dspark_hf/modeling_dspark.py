@@ -183,6 +183,11 @@ class DSparkBlockDraft:
     survival: list[float]
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An unhooked `nn.Linear`, whose weight can be multiplied directly (or its rows picked)."""
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
 class DrafterMixin:
     """What every drafter of this package shares: logits through the target's LM head (borrowed at call time, never
     stored), strict safetensors-only loading with an optional target check, and `generation_stats`.
@@ -220,19 +225,17 @@ class DrafterMixin:
         With `vocab_ids` (V',) only those columns are computed, (B, K, V'): training on a vocabulary shortlist.
         """
         hidden_states = hidden_states.to(lm_head.weight.dtype)
-        plain = type(lm_head) is nn.Linear and not (lm_head._forward_hooks or lm_head._forward_pre_hooks)
-        if vocab_ids is None and not plain:  # a quantised or hooked (offloaded) head computes itself
+        if vocab_ids is None and not _plain_linear(lm_head):  # a quantised or hooked (offloaded) head computes itself
             logits = lm_head(hidden_states).float()
         else:
             weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-            if vocab_ids is not None:
-                weight, bias = weight[vocab_ids], None if bias is None else bias[vocab_ids]
+            if vocab_ids is not None:  # the rows are kept between no-grad calls (inference, evaluation)
+                weight, bias = gathered_rows(self, weight, vocab_ids), None if bias is None else bias[vocab_ids]
             logits = linear_few_rows(hidden_states, weight, bias).float()
-        return self._softcap(logits)
-
-    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def training_logits(self, features, input_ids, blocks, embed_tokens, lm_head, vocab_ids=None, forward=None):
         """Teacher-forced draft logits of the training blocks, computed the way inference drafts them.
@@ -304,11 +307,11 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
         if token_ids is None:
             self.draft_vocab_ids, self.config.draft_vocab_size = None, 0
             return
-        ids = torch.as_tensor(token_ids)
-        if ids.ndim != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"`token_ids` must be a non-empty 1-D list of token ids, got shape {tuple(ids.shape)}.")
-        ids = ids.long().unique()  # sorted
-        if len(ids) != len(torch.as_tensor(token_ids)):
+        given = torch.as_tensor(token_ids)
+        if given.ndim != 1 or given.numel() == 0 or given.dtype.is_floating_point or given.dtype == torch.bool:
+            raise ValueError(f"`token_ids` must be a non-empty 1-D list of token ids, got shape {tuple(given.shape)}.")
+        ids = given.long().unique()  # sorted
+        if len(ids) != len(given):
             raise ValueError("`token_ids` has duplicates; pass each token id once.")
         if ids[0] < 0 or ids[-1] >= self.config.vocab_size:
             raise ValueError(f"`token_ids` must lie in [0, {self.config.vocab_size}), got {ids[0]}..{ids[-1]}.")
@@ -319,13 +322,9 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
         """`U_k` at inference: (B, K, d) -> (B, K, V) float32. With a draft vocabulary only its columns are computed
         (the LM head's rows gathered once and kept, `utils.gathered_rows`) and every other logit is -inf."""
         ids = self.draft_vocab_ids
-        plain = type(lm_head) is nn.Linear and not (lm_head._forward_hooks or lm_head._forward_pre_hooks)
-        if ids is None or not plain:  # a quantised or hooked head computes the whole vocabulary itself
+        if ids is None or not _plain_linear(lm_head):  # a quantised or hooked head computes the whole vocabulary
             return self.base_logits(hidden_states, lm_head)
-        weight = gathered_rows(self, lm_head.weight, ids)
-        bias = None if lm_head.bias is None else lm_head.bias[ids]
-        logits = self._softcap(linear_few_rows(hidden_states.to(weight.dtype), weight, bias).float())
-        return self._scatter(logits, float("-inf"), lm_head.weight.shape[0])
+        return self._scatter(self.base_logits(hidden_states, lm_head, ids), float("-inf"), lm_head.weight.shape[0])
 
     def draft_sequential_bias(self, prev_ids, hidden_states, state=None):
         """`sequential_bias` at inference: (B, K, V) over the draft vocabulary's columns (0 elsewhere), or None."""
