@@ -75,3 +75,21 @@ def test_real_smollm2_target_is_lossless_with_untrained_and_oracle_drafters():
     pin_drafter(drafter, ref)
     assert torch.equal(ref, target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter))
     assert drafter.generation_stats.per_position_acceptance == [1.0] * 7  # every draft accepted
+
+
+def test_demo_prints_the_reply_and_times_alternating_runs(tmp_path, capsys):
+    target = make_target()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer = char_tokenizer(99)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    tokenizer.save_pretrained(tmp_path / "target")
+    make_drafter(target).save_pretrained(tmp_path / "drafter")
+    models = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+    assert main(["demo", "--prompt", "Hi", "--max-new-tokens", "6", "--repeats", "2", *models]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("User: Hi\nAssistant: ") and "identical to plain greedy: True" in out
+    assert "2 alternating runs each" in out
+    with pytest.raises(SystemExit, match="--repeats must be >= 1"):
+        main(["demo", "--repeats", "0", *models])

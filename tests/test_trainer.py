@@ -60,6 +60,26 @@ def test_dataset_roundtrip_and_batches(tmp_path):
     assert ids.shape == (1, 8)
 
 
+def test_several_datasets_load_as_one(tmp_path):
+    """`data=a.npz,b.npz` (a grown data set: a second `dspark-hf data` run) trains on both, in order; token dtypes
+    widen to the larger one; a missing file is named."""
+    a = tiny_dataset(5)
+    b = TokenDataset.from_sequences([[70_000, 1, 2, 3], [4, 5]], [1, 0])  # ids past uint16
+    a.save(tmp_path / "a.npz")
+    b.save(tmp_path / "b.npz")
+    both = TokenDataset.load(f"{tmp_path / 'a.npz'}, {tmp_path / 'b.npz'}")
+    assert len(both) == 7 and both.num_tokens == a.num_tokens + 6 and both.tokens.dtype == np.uint32
+    for i in range(5):
+        assert both.sequence(i)[0].tolist() == a.sequence(i)[0].tolist() and both.sequence(i)[1] == 3
+    assert both.sequence(5)[0].tolist() == [70_000, 1, 2, 3] and both.sequence(5)[1] == 1
+    assert both.sequence(6)[0].tolist() == [4, 5] and both.sequence(6)[1] == 0
+    assert TokenDataset.load([tmp_path / "b.npz", tmp_path / "a.npz"]).sequence(0)[0][0] == 70_000
+    with pytest.raises(ValueError, match="nope.npz"):
+        TokenDataset.load(f"{tmp_path / 'a.npz'},{tmp_path / 'nope.npz'}")
+    with pytest.raises(ValueError, match="No token dataset"):
+        TokenDataset.load(" , ")
+
+
 def test_seeded_batches_are_fixed_and_shared_by_evaluation_and_calibration():
     """One helper draws every seeded batch (training steps, held-out evaluation, calibration): a pure function of
     the seed, and the returned generator continues that stream (anchor sampling draws from it next)."""

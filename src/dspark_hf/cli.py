@@ -28,20 +28,22 @@ def _load(args):
 
 
 def cmd_demo(args) -> int:
-    from .bench import run_bench
+    from .bench import encode, run_bench, timed_generate
 
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}.")
     target, tokenizer, drafter = _load(args)
     record = {"messages": [{"role": "user", "content": args.prompt}]}
-    result = run_bench(target, tokenizer, drafter, [record], max_new_tokens=args.max_new_tokens, progress=False)
-    from .bench import encode, timed_generate
-
     out, _ = timed_generate(target, encode(tokenizer, record), args.max_new_tokens, drafter)
+    print(f"User: {args.prompt}\nAssistant: {tokenizer.decode(out, skip_special_tokens=True).strip()}\n", flush=True)
+    # timing: the prompt `repeats` times, plain and drafted in alternating order (as in `bench`), totals compared
+    result = run_bench(target, tokenizer, drafter, [record] * args.repeats, args.max_new_tokens, progress=False)
     label = " (UNTRAINED drafter: expect no speedup)" if getattr(drafter, "is_untrained", False) else ""
-    print(f"User: {args.prompt}\nAssistant: {tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
     print(
         f"identical to plain greedy: {result['all_identical']}   τ = {result['acceptance_length']:.2f}   "
         f"speedup over plain decoding: {result['speedup']:.2f}x "
-        f"({result['tokens_per_second_dspark']:.1f} vs {result['tokens_per_second_plain']:.1f} tok/s){label}"
+        f"({result['tokens_per_second_dspark']:.1f} vs {result['tokens_per_second_plain']:.1f} tok/s, "
+        f"{args.repeats} alternating runs each){label}"
     )
     return 0 if result["all_identical"] else 1
 
@@ -426,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="reply to one prompt with the embedded default; print τ and speedup")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--repeats", type=int, default=3, help="timed runs of plain and drafted decoding, alternating")
     add_models(demo)
     demo.set_defaults(func=cmd_demo)
 

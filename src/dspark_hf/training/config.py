@@ -29,12 +29,16 @@ class DSparkTrainingConfig:
     Run: `output_dir`, `save_every`, `log_every`, `seed`, `target` (a model path; None = the embedded default).
     """
 
-    data: str = field(default="", metadata={"help": "token dataset (.npz) from `dspark-hf data`"})
+    data: str = field(
+        default="", metadata={"help": "token dataset (.npz) from `dspark-hf data`; several: comma-separated"}
+    )
     features: str | None = field(
         default=None,
         metadata={"help": "offline mode: a feature cache from `dspark-hf features` (training never runs the target)"},
     )
-    heldout: str | None = field(default=None, metadata={"help": "held-out token dataset (.npz) for evaluation"})
+    heldout: str | None = field(
+        default=None, metadata={"help": "held-out token dataset(s) (.npz, comma-separated) for evaluation"}
+    )
     eval_every: int = field(default=100, metadata={"help": "evaluate on held-out data every N steps"})
     eval_batches: int = field(default=4, metadata={"help": "held-out batches per evaluation (fixed, seeded)"})
     output_dir: str = field(default="runs/dspark", metadata={"help": "checkpoints and logs go here"})

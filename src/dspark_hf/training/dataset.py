@@ -4,6 +4,7 @@ Fields: `tokens` (uint16 when the vocabulary fits, else uint32), `offsets` (int6
 the first position of the supervised response; prompts are context only). A few MB hold a million tokens.
 """
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,31 @@ class TokenDataset:
         return cls(flat.astype(dtype), np.concatenate([[0], np.cumsum(lengths)]), np.asarray(loss_starts))
 
     @classmethod
-    def load(cls, path: str | Path) -> "TokenDataset":
-        with np.load(path, allow_pickle=False) as f:
-            return cls(f["tokens"], f["offsets"], f["loss_start"])
+    def load(cls, path: str | Path | Sequence[str | Path]) -> "TokenDataset":
+        """One `.npz`, or several (a list, or one string of comma-separated paths) concatenated in order."""
+        paths = path.split(",") if isinstance(path, str) else [path] if isinstance(path, Path) else list(path)
+        paths = [Path(str(p).strip()) for p in paths if str(p).strip()]
+        if not paths:
+            raise ValueError("No token dataset given: pass a .npz path (or several, comma-separated).")
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise ValueError(f"Token dataset file(s) not found: {missing}. Build one with `dspark-hf data`.")
+        parts = []
+        for p in paths:
+            with np.load(p, allow_pickle=False) as f:
+                parts.append(cls(f["tokens"], f["offsets"], f["loss_start"]))
+        return parts[0] if len(parts) == 1 else cls.concatenate(parts)
+
+    @classmethod
+    def concatenate(cls, datasets: Sequence["TokenDataset"]) -> "TokenDataset":
+        """The sequences of every dataset, in order (token ids widened to the largest dtype among them)."""
+        if not datasets:
+            raise ValueError("concatenate needs at least one TokenDataset.")
+        dtype = np.result_type(*(d.tokens.dtype for d in datasets))
+        ends = np.cumsum([0] + [d.num_tokens for d in datasets])
+        offsets = np.concatenate([[0]] + [d.offsets[1:] + end for d, end in zip(datasets, ends[:-1])])
+        tokens = np.concatenate([d.tokens.astype(dtype, copy=False) for d in datasets])
+        return cls(tokens, offsets, np.concatenate([d.loss_start for d in datasets]))
 
     def save(self, path: str | Path) -> None:
         """Atomic: written to a temporary name, then renamed."""
