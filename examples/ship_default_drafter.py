@@ -20,7 +20,7 @@ from dspark_hf import DSparkDraftModel
 from dspark_hf.evaluation import model_card_results
 from dspark_hf.hub import save_for_hub
 from dspark_hf.training.dataset import TokenDataset
-from dspark_hf.training.step import vocab_shortlist
+from dspark_hf.training.step import special_token_ids, vocab_shortlist
 
 
 MAX_BYTES = 40 * 1024 * 1024
@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--results", help="evaluation.json of `dspark-hf bench` that includes this drafter")
     parser.add_argument("--label", help="the drafter's label in --results (default: its only drafter)")
     parser.add_argument(
-        "--data", help="the `dspark-hf data` folder it was trained on (its stats.json goes in the card)"
+        "--data",
+        help="the `dspark-hf data` folder(s) it was trained on, comma-separated (stats.json goes in the card)",
     )
     parser.add_argument("--out", default="src/dspark_hf/default_drafter")
     parser.add_argument(
@@ -45,7 +46,8 @@ def main() -> None:
         "--draft-vocab",
         type=int,
         default=0,
-        help="draft among the N most frequent supervised tokens of --data's train.npz (0: the whole vocabulary)",
+        help="draft among the N most frequent supervised tokens of --data's train.npz (0: keep the checkpoint's; "
+        "`dspark-hf train` saves its train_vocab_size shortlist)",
     )
     args = parser.parse_args()
     if args.draft_vocab and not args.data:
@@ -57,13 +59,14 @@ def main() -> None:
         results = model_card_results(json.loads(Path(args.results).read_text()), drafter=args.label)
         results = {name: {k: v for k, v in run.items() if k != "per_prompt"} for name, run in results.items()}
     training = json.loads((Path(args.drafter) / "trainer_state.json").read_text())
-    if args.data:
-        training["data"] = json.loads((Path(args.data) / "stats.json").read_text())
+    folders = [Path(d) for d in (args.data or "").split(",") if d]
+    if folders:
+        stats = [json.loads((d / "stats.json").read_text()) for d in folders]
+        training["data"] = stats[0] if len(stats) == 1 else dict(zip(map(str, folders), stats))
     drafter.config.target_name_or_path = args.target_name
     if args.draft_vocab:
-        special = [i for i in (drafter.config.eos_token_id, drafter.config.bos_token_id) if isinstance(i, int)]
-        dataset = TokenDataset.load(Path(args.data) / "train.npz")
-        drafter.set_draft_vocab(vocab_shortlist(dataset, args.draft_vocab, always=special))
+        dataset = TokenDataset.load([d / "train.npz" for d in folders])
+        drafter.set_draft_vocab(vocab_shortlist(dataset, args.draft_vocab, always=special_token_ids(drafter.config)))
     drafter = drafter.to(torch.bfloat16)
     out = save_for_hub(drafter, args.out, results=results, training=training, with_code=False)
     if args.notes:

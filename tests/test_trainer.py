@@ -319,3 +319,23 @@ def test_a_stage_starts_from_an_earlier_drafter(tmp_path):
     assert trainer.step == 0 and len(trainer.vocab_ids) <= 22
     trained = trainer.train()
     assert any(not torch.equal(p, trained.state_dict()[n]) for n, p in first.state_dict().items())
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_checkpoints_draft_over_the_training_shortlist(tmp_path, keep):
+    """With `train_vocab_size`, every checkpoint carries the shortlist as its draft vocabulary (inference drafts
+    among the tokens the drafter learnt to rank); `shortlist_draft_vocab=false` leaves the full vocabulary."""
+    from dspark_hf import DSparkDraftModel
+
+    target = make_target()
+    target.config.eos_token_id = 98  # kept even if too rare for the shortlist
+    cfg = config(tmp_path, train_vocab_size=20, shortlist_draft_vocab=keep, max_steps=2)
+    trainer = DSparkTrainer(cfg, target, tiny_dataset())
+    trainer.train()
+    saved = DSparkDraftModel.from_pretrained(tmp_path / "run/checkpoint-2")
+    if keep:
+        assert saved.config.draft_vocab_size == len(trainer.vocab_ids)
+        assert torch.equal(saved.draft_vocab_ids, trainer.vocab_ids.cpu())
+        assert 98 in saved.draft_vocab_ids.tolist()
+    else:
+        assert saved.config.draft_vocab_size == 0 and saved.draft_vocab_ids is None

@@ -23,7 +23,8 @@ class DSparkTrainingConfig:
         `sequential_head`, `confidence_head`.
     Optimisation: AdamW (`learning_rate`, `weight_decay`), `warmup_ratio` then cosine decay to 0 over `max_steps`,
         `grad_clip`, `mixed_precision` ("no" or "bf16").
-    Speed: `train_vocab_size` restricts the training-time output to a shortlist of frequent tokens.
+    Speed: `train_vocab_size` restricts the training-time output to a shortlist of frequent tokens, which
+        `shortlist_draft_vocab` also saves as the checkpoint's draft vocabulary.
     Loss: `alpha_ce`, `alpha_tv`, `alpha_conf`, `loss_decay` (DeepSpec: 0.1 / 0.9 / 1.0, decay 4.0); `alpha_kl`
         adds the forward KL to the target's distribution (0 in the paper's recipe).
     Run: `output_dir`, `save_every`, `log_every`, `seed`, `target` (a model path; None = the embedded default).
@@ -67,6 +68,13 @@ class DSparkTrainingConfig:
         default=0,
         metadata={
             "help": "train on the N most frequent supervised tokens (0: the full vocabulary); see vocab_shortlist"
+        },
+    )
+    shortlist_draft_vocab: bool = field(
+        default=True,
+        metadata={
+            "help": "checkpoints draft over the vocabulary they were trained on (set_draft_vocab): the "
+            "train_vocab_size shortlist (faster, still lossless), or all tokens when it is 0"
         },
     )
     seq_len: int = field(default=512, metadata={"help": "training sequence length (longer ones are cropped)"})

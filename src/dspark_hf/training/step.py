@@ -32,12 +32,22 @@ def drafter_block_hidden(drafter, features, input_ids, blocks: BlockBatch, embed
     return getattr(drafter, "module", drafter).block_hidden(features, input_ids, blocks, embed_tokens, drafter)
 
 
+def special_token_ids(config) -> list[int]:
+    """The EOS and BOS ids of a model config that every vocabulary shortlist keeps (the drafter must be able to
+    propose the end of a response)."""
+    ids = []
+    for value in (config.eos_token_id, config.bos_token_id):
+        ids += [value] if isinstance(value, int) else list(value or [])
+    return ids
+
+
 def vocab_shortlist(dataset, size: int, always: list[int] | None = None) -> torch.LongTensor | None:
     """The `size` most frequent supervised tokens of a `TokenDataset` (plus `always`, e.g. EOS), sorted: (V',).
 
     Training on a shortlist computes the LM head, the sequential bias and both softmaxes over V' columns instead of
     V: p_d and p_t are both renormalised over the shortlist. On the embedded SmolLM2 (V = 49,152) the LM head and
-    loss are most of a step. The drafter keeps the full vocabulary at inference. None when `size` is 0 or covers V.
+    loss are most of a step. Inference uses the same shortlist as the draft vocabulary when the trainer saves it
+    (`shortlist_draft_vocab`), else the full vocabulary. None when `size` is 0.
     """
     if size <= 0:
         return None

@@ -27,7 +27,7 @@ from ..modeling_dspark import DSparkDraftModel
 from .config import DSparkTrainingConfig
 from .dataset import TokenDataset
 from .features import FeatureCache
-from .step import freeze, training_loss, vocab_shortlist
+from .step import freeze, special_token_ids, training_loss, vocab_shortlist
 
 
 logger = logging.get_logger(__name__)
@@ -145,11 +145,15 @@ class DSparkTrainer:
         self.output_dir = Path(config.output_dir)
         self.heldout = TokenDataset.load(config.heldout) if config.heldout else None
         self.best_tau = 0.0
-        special = [i for i in (target.config.eos_token_id, target.config.bos_token_id) if isinstance(i, int)]
-        self.vocab_ids = vocab_shortlist(self.dataset, config.train_vocab_size, always=special)
+        self.vocab_ids = vocab_shortlist(
+            self.dataset, config.train_vocab_size, always=special_token_ids(target.config)
+        )
         if self.vocab_ids is not None:
             self.vocab_ids = self.vocab_ids.to(self.accelerator.device)
             logger.info(f"Training on a shortlist of {len(self.vocab_ids)} tokens.")
+        module = self.accelerator.unwrap_model(self.drafter)
+        if config.shortlist_draft_vocab and hasattr(module, "set_draft_vocab"):
+            module.set_draft_vocab(self.vocab_ids)  # inference only (None: all); saved with every checkpoint
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
