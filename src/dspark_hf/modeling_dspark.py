@@ -513,7 +513,7 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
                 break
             bias, next_state = self.draft_sequential_bias(prev, h_k, state)
             logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]
-            if logits_processor is not None:
+            if logits_processor:  # None or an empty LogitsProcessorList: nothing to apply, no check (no host sync)
                 logits = logits_processor(ids, logits)
                 if self.draft_vocab_ids is not None and not torch.isfinite(logits).any():
                     # the processors ruled out the whole draft vocabulary: draft this one over all of it
