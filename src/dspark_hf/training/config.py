@@ -74,7 +74,7 @@ class DSparkTrainingConfig:
         default=True,
         metadata={
             "help": "checkpoints draft over the vocabulary they were trained on (set_draft_vocab): the "
-            "train_vocab_size shortlist (faster, still lossless), or all tokens when it is 0"
+            "train_vocab_size shortlist (faster, still lossless), or all tokens when it is 0; false: left as built"
         },
     )
     seq_len: int = field(default=512, metadata={"help": "training sequence length (longer ones are cropped)"})
