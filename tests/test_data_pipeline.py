@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from conftest import make_target
+from dspark_hf.training import prompts
 from dspark_hf.training.dataset import TokenDataset
 from dspark_hf.training.generate_data import DataConfig, build_dataset, finalize_dataset, generate_batch
 from dspark_hf.training.prompts import (
     SOURCE_FUNCTIONS,
     EvalGuard,
     build_prompts,
+    human_questions,
     is_heldout,
     normalize,
     prompt_text,
@@ -35,6 +37,9 @@ def tiny_tokenizer():
 
 @pytest.mark.parametrize("source", list(SOURCE_FUNCTIONS))
 def test_sources_are_deterministic_and_diverse(source):
+    if source == "human" and len(human_questions()) < 120:
+        pytest.skip("the optional corpora of people's questions are not installed")
+
     def take(seed, n=120):
         stream = SOURCE_FUNCTIONS[source](seed)
         return [next(stream) for _ in range(n)]
@@ -46,7 +51,151 @@ def test_sources_are_deterministic_and_diverse(source):
     assert len(set(texts)) >= 100  # few repeats
     assert all(r["source"] == source and r["messages"][0]["role"] == "user" for r in first)
     # (text has one kind on a bare machine: stdlib docstrings; the Debian corpora add the others)
-    assert len({r["kind"] for r in first}) >= (1 if source == "text" else 2)
+    assert len({r["kind"] for r in first}) >= (1 if source in ("text", "human") else 2)
+
+
+RST_FAQ = """General FAQ
+===========
+
+What is Spam?
+-------------
+
+Spam is a :term:`canned` meat.
+
+How do I open a tin with :func:`os.open`?
+-----------------------------------------
+
+Carefully.
+
+Not a question
+--------------
+
+Why do I get strange results?
+  (an indented line that is not a title)
+"""
+
+POD_FAQ = """=head1 NAME
+
+perlfaqX - Fixture
+
+=head2 How do I read a file into a string?
+
+Use File::Slurp.
+
+=head2 Why don't my E<lt>E<lt>HERE documents work?
+
+=head2 What is C<< $x->{y} >> and L<perlref|perlref/Using References>?
+
+=head2 Perl Books
+"""
+
+NUMBERED_FAQ = """Table of Contents
+
+    1.1. What is this FAQ?
+    1.2. What is a deb
+         package?
+
+1. Definitions
+
+1.1.\xa0What is this FAQ?
+
+This FAQ answers questions.
+
+1.2.\xa0What is a deb package and how do I install one on my
+computer?
+
+A deb is an archive.
+"""
+
+
+def _sharegpt(conversations, truncate=0):
+    text = json.dumps([{"id": f"c{i}", "conversations": turns} for i, turns in enumerate(conversations)], indent=2)
+    return text[: len(text) - truncate] if truncate else text
+
+
+def test_faq_and_sharegpt_parsers_on_fixtures():
+    assert prompts.rst_faq_questions(RST_FAQ) == ["What is Spam?", "How do I open a tin with os.open?"]
+    assert prompts.pod_faq_questions(POD_FAQ) == [
+        "How do I read a file into a string?",
+        "Why don't my <<HERE documents work?",
+        "What is $x->{y} and perlref?",
+    ]
+    assert prompts.numbered_faq_questions(NUMBERED_FAQ) == [
+        "What is this FAQ?",
+        "What is a deb package and how do I install one on my computer?",
+    ]
+    human, gpt = "human", "gpt"
+    convs = [
+        [{"from": human, "value": "Write a poem about my cat"}, {"from": gpt, "value": "Soft paws..."}],
+        [{"from": gpt, "value": "Hello! (the assistant spoke first: skipped)"}],
+        [],
+        [{"from": human, "value": 'Explain {braces} and "quotes" in JSON'}, {"from": human, "value": "more"}],
+        [{"from": human, "value": "This last conversation is cut off by the truncation"}],
+    ]
+    assert list(prompts.sharegpt_first_turns(_sharegpt(convs))) == [
+        "Write a poem about my cat",
+        'Explain {braces} and "quotes" in JSON',
+        "This last conversation is cut off by the truncation",
+    ]
+    assert list(prompts.sharegpt_first_turns(_sharegpt(convs, truncate=30))) == [
+        "Write a poem about my cat",
+        'Explain {braces} and "quotes" in JSON',
+    ]
+    assert list(prompts.sharegpt_first_turns("")) == []
+
+
+@pytest.fixture
+def human_corpora(tmp_path, monkeypatch):
+    """The `human` source's corpora as small files under tmp_path (a Python FAQ, a perlfaq, a Debian FAQ, ShareGPT)."""
+    faq = tmp_path / "doc" / "python3.11" / "html" / "_sources" / "faq"
+    faq.mkdir(parents=True)
+    (faq / "general.rst.txt").write_text(RST_FAQ)
+    pod = tmp_path / "perl" / "5.36.0" / "pod"
+    pod.mkdir(parents=True)
+    (pod / "perlfaq4.pod").write_text(POD_FAQ)
+    (tmp_path / "debian-faq.en.txt").write_text(NUMBERED_FAQ)
+    users = [f"Question number {i}: how would you plan a trip to city {i}?" for i in range(150)]
+    users += ["hi", users[3], "x " * 1500, "\u4f60\u597d\u4f60\u597d \u4f60\u597d \u4e16\u754c\u4f60\u597d"]
+    convs = [[{"from": "human", "value": u}, {"from": "gpt", "value": "..."}] for u in users]
+    (tmp_path / "sharegpt.json").write_text(_sharegpt(convs))
+    monkeypatch.setattr(prompts, "DOC_DIR", str(tmp_path / "doc"))
+    monkeypatch.setattr(prompts, "PERL_DIR", str(tmp_path / "perl"))
+    monkeypatch.setattr(prompts, "DEBIAN_FAQ_FILE", str(tmp_path / "debian-faq.en.txt"))
+    monkeypatch.setattr(prompts, "SHAREGPT_FILE", str(tmp_path / "sharegpt.json"))
+    human_questions.cache_clear()
+    yield tmp_path
+    human_questions.cache_clear()
+
+
+def test_human_source_uses_peoples_questions_verbatim(human_corpora):
+    pool = human_questions()
+    kinds = Counter(kind for kind, _ in pool)
+    # ShareGPT: 150 usable; "hi" (too short), the repeated prompt, the 3,000-character one and the non-English one are
+    # dropped. The Debian FAQ's "What is this FAQ?" is about the document itself: dropped.
+    assert kinds == {"python-faq": 2, "perl-faq": 3, "debian-faq": 1, "sharegpt": 150}
+    texts = [text for _, text in pool]
+    assert "Python question: What is Spam?" in texts  # the subject is added when the question does not name it
+    assert "Perl question: How do I read a file into a string?" in texts
+    assert "Debian question: What is a deb package and how do I install one on my computer?" in texts
+    assert "Question number 7: how would you plan a trip to city 7?" in texts
+    records = list(prompts.human_prompts(0))
+    assert len(records) == len(pool)  # finite: each question once
+    assert records == list(prompts.human_prompts(0)) and records != list(prompts.human_prompts(1))
+    assert all(r["source"] == "human" and r["messages"][0]["role"] == "user" for r in records)
+    # A plan that asks for more than the source has is topped up by the other sources.
+    plan = build_prompts(400, sources=["human", "math"], seed=0)
+    assert Counter(r["source"] for r in plan) == {"human": len(pool), "math": 400 - len(pool)}
+
+
+def test_human_source_is_empty_without_its_corpora(tmp_path, monkeypatch):
+    for name in ("DOC_DIR", "PERL_DIR", "DEBIAN_FAQ_FILE", "SHAREGPT_FILE"):
+        monkeypatch.setattr(prompts, name, str(tmp_path / "missing"))
+    human_questions.cache_clear()
+    try:
+        assert human_questions() == ()
+        assert Counter(r["source"] for r in build_prompts(20, sources=["human", "chat"], seed=0)) == {"chat": 20}
+    finally:
+        human_questions.cache_clear()
 
 
 def test_build_prompts_mixes_sources_without_duplicates():
@@ -114,7 +263,7 @@ def test_batched_generation_matches_per_prompt_generate():
 def _config(**kw):
     base = dict(num_prompts=10, sources=("math", "chat"), max_new_tokens=5, batch_size=3, chunk_size=4,
                 teacher_forced_tokens=200, text_chunk_tokens=48, max_prompt_tokens=160,
-                heldout_fraction=0.3)  # fmt: skip
+                heldout_fraction=0.5)  # fmt: skip
     base.update(kw)
     return DataConfig(**base)
 
