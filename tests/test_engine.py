@@ -250,6 +250,23 @@ def test_steep_sps_profile_verifies_less(target):
     assert lengths["steep"] < lengths["flat"]
 
 
+@pytest.mark.parametrize("policy", ["threshold", "scheduler"])
+def test_shorter_rows_fill_the_verify_width_with_their_own_drafts(target, policy):
+    """The verify is (B, W) wide for W = max ℓ_r + 1 anyway: a row whose policy cut it shorter verifies its further
+    drafts up to W, as far as it sampled them (its confidences) and its cap allow; "fixed" is left as it is."""
+    from dspark_hf.engine import _Block
+
+    drafter = make_drafter(target, confidence_threshold=0.5)
+    engine = make_engine(target, policy, drafter=drafter, sps={b: 10.0 if b <= 5 else 1.0 for b in range(1, 14)})
+    # cumulative survivals: row 0 stays high for 3 positions, row 1 falls at once, row 2 sampled only 2 positions
+    confidences = [[0.99, 0.99, 0.99, 0.1], [0.1, 0.9, 0.9, 0.9], [0.3, 0.9]]
+    block = _Block(torch.zeros(3, 4, dtype=torch.long), None, [4, 4, 2], confidences)
+    cut = {"threshold": [3, 0, 0], "scheduler": [2, 0, 0]}[policy]  # Algorithm 1: 5 tokens (3 anchors + 2) pay
+    assert engine._schedule(block).lengths == [cut[0], min(cut[0], 4), min(cut[0], 2)]
+    fixed = make_engine(target, "fixed", drafter=drafter)
+    assert fixed._schedule(_Block(torch.zeros(2, 4, dtype=torch.long), None, [4, 1], [[], []])).lengths == [4, 1]
+
+
 def test_scheduler_stops_sampling_once_the_lengths_are_settled(target):
     """Under a compute-bound profile Algorithm 1 verifies little, and the engine stops sampling a block there
     (before its last position) instead of running the sequential head to the end; outputs stay the plain ones."""

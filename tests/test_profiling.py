@@ -16,7 +16,7 @@ from dspark_hf.profiling import (
     PROFILE_FORMAT,
     find_profile,
     load_profile,
-    monotone_fit,
+    padded_costs,
     profile_target,
     save_profile,
     sps_for,
@@ -46,12 +46,12 @@ def test_profile_has_the_documented_keys(target):
     assert set(profile["verify_ms"]) == {str(k) for k in range(1, 6)} | {f"2,{k}" for k in range(1, 6)}
     table = sps_table(profile)
     assert list(table) == [1, 2, 3, 4, 5] and all(v > 0 for v in table.values())
-    assert table[3] == pytest.approx(1000.0 / profile["verify_ms"]["3"])
     assert set(profile["sps_by_batch"]["2"]) == {"2", "4", "6", "8", "10"}
     assert set(profile["verify_ms_measured"]) == set(profile["verify_ms"])
     for keys in ([str(k) for k in range(1, 6)], [f"2,{k}" for k in range(1, 6)]):
-        fitted = [profile["verify_ms"][key] for key in keys]
-        assert fitted == sorted(fitted) and fitted == monotone_fit([profile["verify_ms_measured"][k] for k in keys])
+        padded = [profile["verify_ms"][key] for key in keys]
+        assert padded == sorted(padded) and padded == padded_costs([profile["verify_ms_measured"][k] for k in keys])
+    assert table[3] == pytest.approx(1000.0 / profile["verify_ms_measured"]["3"])  # rates of the widths themselves
     json.dumps(profile)  # JSON-able as is
 
 
@@ -59,14 +59,13 @@ def test_profile_has_the_documented_keys(target):
     "values, expected",
     [
         ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]),  # already ordered: untouched
-        ([3.0, 1.0], [2.0, 2.0]),  # one violation: pooled to its mean
-        ([87.0, 136.0, 167.0, 118.0, 106.0], [87.0, 131.75, 131.75, 131.75, 131.75]),  # a noisy CPU profile
-        ([1.0, 5.0, 2.0, 2.0, 9.0], [1.0, 3.0, 3.0, 3.0, 9.0]),  # a pool absorbs later values, then order resumes
+        ([3.0, 1.0], [1.0, 1.0]),  # a wider verify is cheaper: pad to it
+        ([65.0, 110.0, 131.0, 96.0, 89.0, 95.0, 127.0, 93.0], [65.0, 89.0, 89.0, 89.0, 89.0, 93.0, 93.0, 93.0]),  # CPU
         ([], []),
     ],
 )
-def test_monotone_fit_is_the_least_squares_non_decreasing_fit(values, expected):
-    assert monotone_fit(values) == pytest.approx(expected)
+def test_padded_costs_are_the_cheapest_width_at_or_above(values, expected):
+    assert padded_costs(values) == pytest.approx(expected)
 
 
 def test_profiling_leaves_the_global_rng_alone(target):
@@ -155,6 +154,23 @@ def test_scheduler_with_a_steep_profile_verifies_nothing(target):
     assert set(drafter.generation_stats.verify_lengths) == {0}
 
 
+def test_scheduler_pads_verifies_to_the_cheapest_width(target):
+    """A profile where 2 and 3 tokens verify slower than 4 (as 2-3 against 4-5 on this CPU): rounds that draft
+    verify 3 drafts (or what the length limit leaves), never 1 or 2, and the output is plain greedy's."""
+    drafter = make_drafter(target, verify_policy="scheduler", draft_gate=False)
+    drafter.sps_profile = {1: 100.0, 2: 40.0, 3: 45.0, 4: 90.0, 5: 30.0}
+    ids = torch.randint(0, 99, (1, 5))
+    plain = greedy(target, ids, max_new_tokens=40)
+    assert torch.equal(plain, greedy(target, ids, max_new_tokens=40, assistant_model=drafter))
+    stats, max_length, cur_len = drafter.generation_stats, ids.shape[1] + 40, ids.shape[1] + 1
+    drafted = 0
+    for verified, accepted in zip(stats.verify_lengths, stats.accepted_lengths):
+        assert verified in (0, 3) or verified == max_length - cur_len - 1, (verified, cur_len)
+        drafted += verified == 3
+        cur_len += accepted + 1
+    assert drafted > 0
+
+
 @pytest.mark.parametrize("draft_seconds", [1.0, 0.0])
 def test_draft_gate_in_generate(target, monkeypatch, draft_seconds):
     """generate() with the draft gate: a draft pass priced at 1 s against 10 ms verifies leaves only the first
@@ -230,7 +246,10 @@ def test_cli_profile_takes_sparse_lengths(tmp_path):
     assert main(argv + ["--context-len", "16", "--out", str(out), "--png", "", "--device", "cpu"]) == 0
     table = sps_table(load_profile(out))
     assert sorted(table) == [1, 2, 3, 6, 8]
-    assert list(table.values()) == sorted(table.values(), reverse=True)  # the monotone fit: never faster for more
+    profile = load_profile(out)
+    assert [table[b] for b in sorted(table)] == [1000.0 / profile["verify_ms_measured"][str(b)] for b in sorted(table)]
+    padded = [profile["verify_ms"][str(b)] for b in sorted(table)]
+    assert padded == sorted(padded)  # a verify of more tokens never costs less once it may be padded
 
 
 @pytest.mark.parametrize("text", ["1-x", "0,4", ""])

@@ -73,6 +73,9 @@ def draw(target, drafter, n, **sampling) -> list[tuple]:
     return samples
 
 
+PADDED_SPS = {1: 10.0, 2: 4.0, 3: 8.0, 4: 5.0}
+
+
 def setup_models(kind="dspark"):
     target = make_target(vocab_size=VOCAB, seed=3)
     if kind == "eagle3":
@@ -80,6 +83,9 @@ def setup_models(kind="dspark"):
     drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="threshold", confidence_threshold=0.3)
     if kind == "dspark_draft_vocab":  # drafts never propose token 2; the target still emits it at its rate
         drafter.set_draft_vocab([0, 1, 3])
+    if kind == "dspark_padded":  # Algorithm 1 on a profile where 2 tokens cost more than 3: verifies are padded
+        drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="scheduler", draft_gate=False)
+        drafter.sps_profile = PADDED_SPS
     return target, drafter
 
 
@@ -103,6 +109,14 @@ def test_sampling_with_a_draft_vocabulary_matches_target_distribution():
     """Drafts never propose token 2 (q = 0 there): the residual distribution has to supply it at the target's rate."""
     (rejects, stat, critical), _ = run_check(1500, kind="dspark_draft_vocab")
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: sampling with a draft vocabulary differs from the target's"
+
+
+def test_sampling_with_padded_verifies_matches_target_distribution():
+    """Algorithm 1 with verifies padded to the cheapest width (here 2 drafts, never 1, unless the length limit cuts
+    the block) keeps the target's distribution."""
+    (rejects, stat, critical), drafter = run_check(1500, kind="dspark_padded")
+    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: padded verification differs from the target's"
+    assert 2 in drafter.generation_stats.verify_lengths  # it did draft and pad in the last call
 
 
 @pytest.mark.slow

@@ -6,12 +6,14 @@ from dspark_hf import DSparkConfig
 from dspark_hf.scheduler import (
     DraftGate,
     PrefixAdmission,
+    _sps_lookup,
     build_admission,
     conditional_confidences,
     drafting_pays,
     prefix_schedule,
     settled_prefix_schedule,
     threshold_admission,
+    verify_width,
 )
 
 
@@ -58,6 +60,58 @@ def test_incremental_admission_equals_prefix_schedule_for_one_request():
                 break
             length = k
         assert [length] == prefix_schedule([conf], sps)
+
+
+# Verify times measured on this 2-core CPU for SmolLM2-135M (ms, context 256): 2, 3 and 7 tokens cost more than 5 or 8.
+CPU_MS = {1: 65, 2: 110, 3: 131, 4: 96, 5: 89, 6: 95, 7: 127, 8: 93, 9: 100}
+CPU_SPS = {b: 1000.0 / ms for b, ms in CPU_MS.items()}
+
+
+def test_padded_rates_are_the_best_width_within_reach():
+    lookup = _sps_lookup(CPU_SPS, max_tokens=8)
+    assert [round(1000 / lookup(b)) for b in range(1, 9)] == [65, 89, 89, 89, 89, 93, 93, 93]
+    assert [verify_width(CPU_SPS, b, 8) for b in range(1, 9)] == [1, 5, 5, 5, 5, 8, 8, 8]
+    assert verify_width(CPU_SPS, 2, 4) == 4 and verify_width(CPU_SPS, 2, 3) == 2  # never wider than reach
+    assert round(1000 / _sps_lookup(CPU_SPS, max_tokens=7)(6)) == 95  # 8 tokens are out of reach at 7
+    assert _sps_lookup(CPU_SPS)(3) == CPU_SPS[3]  # without max_tokens: the rate of the width itself
+
+
+def test_padding_makes_cheap_widths_worth_verifying():
+    """On CPU_MS a 2-token verify (110 ms) costs more than 1.5 tokens are worth, so plain Algorithm 1 drafts nothing;
+    padded to 5 tokens (89 ms) the same survivals pay: 2.1 expected tokens per 89 ms against 1 per 65 ms."""
+    conf = [0.5, 0.6, 0.67, 0.5, 0.8, 0.5, 0.5]
+    assert prefix_schedule([conf], CPU_SPS) == [0]
+    assert prefix_schedule([conf], CPU_SPS, max_tokens=8) == [4]
+
+
+def test_padded_admission_ends_on_the_cheapest_width_in_reach():
+    """Random profiles with dips and random confidences (zeros included): the incremental admission verifies
+    Algorithm 1's padded schedule, padded to `verify_width`; no wider width in reach is cheaper; and on a
+    non-decreasing cost curve padding changes nothing."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        gamma = rng.randint(1, 8)
+        sps = {b: rng.uniform(1.0, 10.0) / (1 + b / rng.uniform(2, 20)) for b in range(1, gamma + 2)}
+        conf = [rng.choice([rng.random(), rng.uniform(0.7, 1.0), 0.0]) for _ in range(gamma)]
+        admit, survival, length = PrefixAdmission(sps, max_tokens=gamma + 1), 1.0, 0
+        for k, c in enumerate(conf, start=1):
+            survival *= c
+            if not admit(k, survival):
+                break
+            length = k
+        width = length + 1
+        assert width == verify_width(sps, prefix_schedule([conf], sps, max_tokens=gamma + 1)[0] + 1, gamma + 1)
+        assert all(sps[width] >= sps[b] for b in range(width, gamma + 2))
+        monotone = dict(zip(sps, sorted(sps.values(), reverse=True)))
+        assert prefix_schedule([conf], monotone, max_tokens=gamma + 1) == prefix_schedule([conf], monotone)
+
+
+def test_padded_admission_pads_after_a_zero_survival():
+    admit = PrefixAdmission(CPU_SPS, max_tokens=8)
+    assert admit(1, 0.9)  # B = 2 at the padded rate of 5 tokens
+    assert [admit(k, 0.0) for k in range(2, 8)] == [True, True, True, False, False, False]  # filled up to 5 tokens
 
 
 def test_appendix_a_counterexample_global_search_skews_the_distribution():

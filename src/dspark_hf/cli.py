@@ -393,7 +393,7 @@ def cmd_profile(args) -> int:
     save_profile(profile, args.out)
     threads, context = profile["torch_threads"], profile["context_len"]
     print(f"{profile['device']} ({profile['dtype']}, {threads} threads), verify on a cache of {context} tokens")
-    print(f"{'B':>4} {'measured ms':>12} {'fitted ms':>10} {'steps/s':>9}")
+    print(f"{'B':>4} {'measured ms':>12} {'padded ms':>10} {'steps/s':>9}")  # padded: cheapest width >= B
     for tokens, sps in sorted(((int(b), v) for b, v in profile["sps"].items())):
         key = str(tokens)
         print(
@@ -496,7 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-new-tokens", type=int, default=256)
     data.add_argument("--batch-size", type=int, default=16)
     data.add_argument("--chunk-size", type=int, default=None, help="prompts per resumable chunk (4 x batch size)")
-    data.add_argument("--sources", default="chat,math,code,text", help="comma-separated prompt sources")
+    data.add_argument(
+        "--sources",
+        default="chat,math,code,text",
+        help="comma-separated prompt sources: chat, math, code, text, and the opt-in human (people's own questions: "
+        "FAQs and ShareGPT first turns; see docs/data.md)",
+    )
     data.add_argument("--teacher-forced-tokens", type=int, default=0, help="tokens of plain text (no generation)")
     data.add_argument("--exclude-eval", nargs="*", default=[], metavar="FILE", help="eval JSONL files to keep out")
     data.add_argument("--heldout-fraction", type=float, default=0.05)

@@ -10,8 +10,10 @@ between rounds, and each verifies its own number of drafts. Each `step()` is one
   draft     one drafter pass for all rows: each row appends the target features it committed last round to its
             context and drafts a block from its anchor (the newest token, which has no features yet)
   schedule  per-row verify lengths ℓ_r: the whole block ("fixed"), the calibrated survival threshold ("threshold"),
-            or Algorithm 1 over all rows against the SPS profile of the batch's verify token count ("scheduler")
-  verify    one target forward on (B, W) tokens, W = max_r ℓ_r + 1: [anchor, ℓ_r drafts] per row, padded
+            or Algorithm 1 over all rows against the SPS profile of the batch's verify token count ("scheduler"),
+            priced as if the verify could be padded to its cheapest token count within the caps
+  verify    one target forward on (B, W) tokens, W = max_r ℓ_r + 1: [anchor, ℓ_r drafts] per row, the shorter
+            rows filled up to W with their own further drafts where they have them, else padded
   accept    greedy prefix match, or exact rejection sampling against the biased draft distribution, per row
   commit    append accepted drafts and the bonus, clipped at EOS / `max_new_tokens` as plain decoding is; stream them
   crop      padding and rejected slots stay in the target cache as masked holes (see `RaggedCache`); trailing
@@ -470,18 +472,29 @@ class Engine:
         if self.policy == "threshold":
             return bound < self.drafter.config.confidence_threshold
         if self.policy == "scheduler":
-            return settled_prefix_schedule(rows, self.sps, bound) is not None
+            return settled_prefix_schedule(rows, self.sps, bound, max_tokens=len(caps) + sum(caps)) is not None
         return False
 
     def _schedule(self, block: _Block) -> _Block:
         """Verify lengths ℓ_r <= cap_r per the policy. Each decides position k from survivals of positions <= k
-        (and, for Algorithm 1, other rows' survivals), never from x_k itself: the cut stays lossless."""
+        (and, for Algorithm 1, other rows' survivals), never from x_k itself: the cut stays lossless.
+
+        The verify runs on (B, W) tokens, W = max ℓ_r + 1, whatever the shorter rows verify, so each row then
+        fills its slots up to W with its own further drafts (those it sampled, within its cap): more drafts checked
+        at no extra cost. Whether row r's draft k is verified still depends only on its drafts before k (through
+        the policy's cut and the other rows' lengths), so this stays lossless too.
+        """
+        if self.policy == "fixed":
+            return block  # the whole (capped) block
         if self.policy == "threshold":
             threshold = self.drafter.config.confidence_threshold
             block.lengths = [sum(1 for _ in itertools.takewhile(lambda a: a >= threshold, s)) for s in block.survival]
-        elif self.policy == "scheduler":
-            block.lengths = prefix_schedule(block.confidences, self.sps)
-        return block  # "fixed": the whole (capped) block
+        else:  # "scheduler"
+            reach = len(block.lengths) + sum(block.lengths)  # lengths are still the caps here: the widest verify
+            block.lengths = prefix_schedule(block.confidences, self.sps, max_tokens=reach)
+        width = max(block.lengths, default=0)
+        block.lengths = [min(width, len(c)) for c in block.confidences]  # len(c): positions sampled, capped
+        return block
 
     def _no_drafts(self) -> _Block:
         """Plain decoding: every row verifies only its anchor."""

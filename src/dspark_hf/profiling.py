@@ -82,21 +82,20 @@ def _target_device_dtype(target) -> tuple[torch.device, torch.dtype]:
 # -- measuring ----------------------------------------------------------------------------------------------------
 
 
-def monotone_fit(values: list[float]) -> list[float]:
-    """The least-squares non-decreasing fit of `values` (pool adjacent violators).
+def padded_costs(values: list[float]) -> list[float]:
+    """Suffix minima: entry i is the cheapest of `values[i:]`, the cost of a verify of at least that many tokens.
 
-    A forward of more tokens never costs less than one of fewer, so a measured dip (or a spike that a later
-    length undercuts) is noise; Algorithm 1 would otherwise read a dip as a free longer verify. Runs of values
-    that break the order are replaced by their mean.
+    A verify forward's time is not monotone in its width: on a CPU, matrix-product kernels make some widths slower
+    than wider ones (2 and 3 tokens against 4 or 5, measured for SmolLM2-135M), consistently across contexts and
+    days. A verify can be padded with the block's further drafts to any wider width it can fill, so what a verify
+    of k tokens costs is the cheapest width at or above k. The scheduler prices that itself, within the drafts a
+    round has (`scheduler._sps_lookup`); this is the same curve over every profiled width, for reports and plots.
     """
-    pools: list[tuple[float, int]] = []  # (mean, count) of pooled runs, means non-decreasing
-    for value in values:
-        mean, count = float(value), 1
-        while pools and pools[-1][0] > mean:
-            prev_mean, prev_count = pools.pop()
-            mean, count = (prev_mean * prev_count + mean * count) / (prev_count + count), prev_count + count
-        pools.append((mean, count))
-    return [mean for mean, count in pools for _ in range(count)]
+    out, running = [], math.inf
+    for value in reversed(values):
+        running = min(running, float(value))
+        out.append(running)
+    return out[::-1]
 
 
 def _sync(device: torch.device) -> None:
@@ -121,10 +120,10 @@ def profile_target(
     For every batch size b and k in `lengths`: a (b, k) forward with the cache, cropped back after each run;
     `warmup` untimed rounds, then `repeats` timed ones, each round visiting every length once. Returns a JSON-able
     profile (format "dspark-sps-v1"): `verify_ms_measured`, the medians, keyed by "k" (batch 1) or "b,k";
-    `verify_ms`, their non-decreasing fit in k per batch size (`monotone_fit`), which the rates come from; and
-    `sps` {B: 1000 / ms} keyed by the verify-batch token count B = b·k (anchors included, Algorithm 1's B), taken
-    from batch size 1 (else the smallest batch size profiled); with several batch sizes `sps_by_batch`
-    {b: {B: steps/s}} holds them all. Token ids are random (own generator, the global RNG is untouched).
+    `verify_ms`, the cost of a verify of at least k tokens per batch size (`padded_costs`: the cheapest median at
+    k or wider); and `sps` {B: 1000 / median ms} keyed by the verify-batch token count B = b·k (anchors included,
+    Algorithm 1's B), taken from batch size 1 (else the smallest batch size profiled); with several batch sizes
+    `sps_by_batch` {b: {B: steps/s}} holds them all. Token ids are random (own generator, the global RNG is untouched).
     """
     lengths = sorted({int(k) for k in lengths})
     batch_sizes = sorted({int(b) for b in batch_sizes})
@@ -171,10 +170,10 @@ def profile_target(
                 bar.update(1)
             medians = [statistics.median(times[k]) for k in lengths]
             sps_by_batch[b] = {}
-            for k, raw, fitted in zip(lengths, medians, monotone_fit(medians)):
+            for k, raw, padded in zip(lengths, medians, padded_costs(medians)):
                 key = str(k) if b == 1 else f"{b},{k}"
-                measured_ms[key], verify_ms[key] = raw, fitted
-                sps_by_batch[b][str(b * k)] = 1000.0 / fitted
+                measured_ms[key], verify_ms[key] = raw, padded
+                sps_by_batch[b][str(b * k)] = 1000.0 / raw
     finally:
         bar.close()
     profile = {
@@ -277,13 +276,13 @@ def plot_profile(profile: dict, png_path: str | os.PathLike) -> Path:
         label = f"batch {b}"
         (line,) = ax_ms.plot(ks, [ms for _, ms in points], marker="o", label=label)
         ax_sps.plot([b * k for k in ks], [1000.0 / ms for _, ms in points], marker="o", label=label)
-        if b in measured:  # the raw medians behind the monotone fit, as crosses
+        if b in measured:  # the raw medians, as crosses (the line: the cheapest width at or above)
             raw = measured[b]
             ax_ms.plot([k for k, _ in raw], [ms for _, ms in raw], "x", color=line.get_color(), alpha=0.6)
             ax_sps.plot(
                 [b * k for k, _ in raw], [1000.0 / ms for _, ms in raw], "x", color=line.get_color(), alpha=0.6
             )
-    title = "verify latency (x: measured, line: monotone fit)" if measured else "verify latency"
+    title = "verify latency (x: measured, line: padded to the cheapest width)" if measured else "verify latency"
     ax_ms.set(xlabel="tokens per request (k)", ylabel="verify forward (ms)", title=title)
     ax_sps.set(xlabel="verify-batch tokens B", ylabel="steps / s", title="SPS(B)")
     for ax in (ax_ms, ax_sps):
@@ -400,7 +399,7 @@ __all__ = [
     "device_key",
     "find_profile",
     "load_profile",
-    "monotone_fit",
+    "padded_costs",
     "plot_profile",
     "profile_target",
     "save_profile",

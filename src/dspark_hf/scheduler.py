@@ -13,42 +13,88 @@ from collections.abc import Callable, Mapping, Sequence
 SPS = Mapping[int, float] | Callable[[int], float]
 
 
-def _sps_lookup(sps: SPS) -> Callable[[int], float]:
+def _sps_lookup(sps: SPS, max_tokens: int | None = None) -> Callable[[int], float]:
+    """SPS(B) as a function. A table answers an unprofiled B with the next profiled size (conservative).
+
+    With `max_tokens` (the most tokens this verify can hold: every draft sampled, plus the anchors), SPS(B) is the
+    best rate of any width B' in [B, max_tokens]: a verify of B tokens can be padded with the block's further
+    drafts to the cheapest width at or above it (`verify_width`). On hardware where some widths are slower than
+    wider ones (this CPU: 2 and 3 tokens cost more than 4 or 5), Algorithm 1 then sees what a verify really costs,
+    and its greedy, which cannot stop inside a stretch of equal rates while survivals are positive, ends on the
+    cheapest width by itself.
+    """
     if callable(sps):
-        return sps
-    table = dict(sps)
-    largest = max(table)
+        raw = sps
+    else:
+        table = dict(sps)
+        largest = max(table)
 
-    def lookup(b: int) -> float:
-        if b in table:
-            return float(table[b])
-        if b > largest:
-            raise ValueError(f"The SPS profile covers verify batches up to {largest} tokens; {b} was requested.")
-        return float(table[min(k for k in table if k >= b)])  # conservative: the next profiled size
+        def raw(b: int) -> float:
+            if b in table:
+                return float(table[b])
+            if b > largest:
+                raise ValueError(f"The SPS profile covers verify batches up to {largest} tokens; {b} was requested.")
+            return float(table[min(k for k in table if k >= b)])
 
-    return lookup
+    if max_tokens is None:
+        return raw
+    best, running = {}, 0.0
+    for b in range(max_tokens, 0, -1):  # suffix maximum over the widths this verify can reach
+        try:
+            running = max(running, raw(b))
+        except ValueError:  # wider than the table covers: not a width to pad to
+            continue
+        best[b] = running
+
+    def padded(b: int) -> float:
+        return best[b] if b in best else raw(b)
+
+    return padded
 
 
-def prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS) -> list[int]:
+def verify_width(sps: SPS, tokens: int, max_tokens: int) -> int:
+    """The cheapest verify width (tokens, anchors included) in [tokens, max_tokens]; the narrowest among equals.
+
+    What a verify of `tokens` tokens should run as when further drafts can fill it (`_sps_lookup` with
+    `max_tokens` prices it so). Padding only adds drafts after the scheduled ones; whether a draft is verified
+    still depends only on the drafts before it, so verification stays lossless.
+    """
+    if tokens > max_tokens:
+        return tokens
+    lookup = _sps_lookup(sps)
+    rates = []
+    for b in range(tokens, max_tokens + 1):
+        try:
+            rates.append((lookup(b), -b))
+        except ValueError:
+            break
+    return -max(rates)[1] if rates else tokens
+
+
+def prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS, max_tokens: int | None = None) -> list[int]:
     """Algorithm 1: per-request verify lengths maximising Θ = τ · SPS(B), greedy with early stop.
 
     confidences[r][k]: calibrated conditional acceptance probability of request r at draft position k+1.
     sps: verify-batch token count B (anchors included) -> target steps per second.
+    max_tokens: the widest verify the drafts can fill; when set, SPS(B) is the best rate at any width in
+        [B, max_tokens] (`_sps_lookup`), for a verify that is padded to its cheapest width (`verify_width`).
     Returns ℓ_r for every request.
     """
-    return settled_prefix_schedule(confidences, sps, unseen_bound=0.0)
+    return settled_prefix_schedule(confidences, sps, unseen_bound=0.0, max_tokens=max_tokens)
 
 
-def settled_prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS, unseen_bound: float) -> list[int] | None:
+def settled_prefix_schedule(
+    confidences: Sequence[Sequence[float]], sps: SPS, unseen_bound: float, max_tokens: int | None = None
+) -> list[int] | None:
     """Algorithm 1 on the positions seen so far, or None while positions not yet seen could still change it.
 
     Lets a drafter stop sampling a block early: `confidences[r]` holds the positions of request r sampled so far,
     and `unseen_bound` is the largest cumulative survival a position not yet sampled can have (the largest last
     seen survival of the requests that have positions left; 0 when none have). The greedy admits candidates in
     order of survival, so once it stops at, or finishes on, a candidate above the bound, no unseen one can come
-    first, and the result is exactly `prefix_schedule` of the whole block.
+    first, and the result is exactly `prefix_schedule` of the whole block (with the same `max_tokens`).
     """
-    lookup = _sps_lookup(sps)
+    lookup = _sps_lookup(sps, max_tokens)
     candidates = []
     for r, conf in enumerate(confidences):
         survival = 1.0
@@ -76,7 +122,9 @@ def settled_prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS, un
     return best if unseen_bound <= 0 else None
 
 
-def drafting_pays(predicted: Sequence[Sequence[float]], sps: SPS, draft_seconds: float) -> bool:
+def drafting_pays(
+    predicted: Sequence[Sequence[float]], sps: SPS, draft_seconds: float, max_tokens: int | None = None
+) -> bool:
     """Whether a draft pass is expected to pay for itself this round: the draft gate (our addition to Algorithm 1).
 
     Algorithm 1 takes the draft as given and prices only the verify step. Where a draft pass costs a sizeable part
@@ -85,16 +133,17 @@ def drafting_pays(predicted: Sequence[Sequence[float]], sps: SPS, draft_seconds:
     also pays `draft_seconds` for the draft, SPS'(B) = 1 / (draft_seconds + 1 / SPS(B)), using `predicted[r][k]`
     (request r's expected conditional acceptance at draft position k+1, e.g. its last round's confidences).
     The decision uses nothing of this round's drafts, so skipping a draft (a plain step) stays lossless.
+    `max_tokens` prices verifies padded to their cheapest width, as in `prefix_schedule`.
     """
     if draft_seconds < 0:
         raise ValueError(f"`draft_seconds` must be >= 0, got {draft_seconds}.")
-    lookup = _sps_lookup(sps)
+    lookup = _sps_lookup(sps, max_tokens)
     n_requests = len(predicted)
 
     def with_draft(b: int) -> float:
         return 1.0 / (draft_seconds + 1.0 / lookup(b))
 
-    lengths = prefix_schedule(predicted, with_draft)
+    lengths = prefix_schedule(predicted, with_draft)  # `lookup` is padded already
     expected = n_requests + sum(sum(itertools.accumulate(c[:n], operator.mul)) for c, n in zip(predicted, lengths))
     return expected * with_draft(n_requests + sum(lengths)) > n_requests * lookup(n_requests)
 
@@ -108,7 +157,8 @@ class DraftGate:
     and after `probe_interval` plain rounds in a row, which refreshes the predictions and the measurement, so a
     load that drops or a stretch of easy text reopens it. A probe whose round still predicts that drafting does not
     pay doubles the wait before the next one (up to `max_probe_interval`), since on text the drafter cannot follow
-    each probe is a draft pass for nothing; a round that pays resets it to `probe_interval`.
+    each probe is a draft pass for nothing; a round that pays resets it to `probe_interval`. Verifies are priced
+    padded to their cheapest width within the caps (`drafting_pays` with `max_tokens`).
     """
 
     def __init__(
@@ -146,7 +196,7 @@ class DraftGate:
             self.probing = True
             return True
         predicted = [(self.prior if hint is None else hint)[:cap] for hint, cap in zip(hints, caps)]
-        if drafting_pays(predicted, self.sps, seconds):
+        if drafting_pays(predicted, self.sps, seconds, max_tokens=len(caps) + sum(caps)):
             self.wait, self.probing = self.probe_interval, False
             return True
         if self.probing:  # the probe found nothing worth drafting: wait longer for the next one
@@ -179,24 +229,34 @@ def conditional_confidences(survival: Sequence[float]) -> list[float]:
 
 
 class PrefixAdmission:
-    """Algorithm 1 for one request, applied incrementally while the block is sampled (`admit(k, a_k)`)."""
+    """Algorithm 1 for one request, applied incrementally while the block is sampled (`admit(k, a_k)`).
 
-    def __init__(self, sps: SPS):
-        self.lookup = _sps_lookup(sps)
+    With `max_tokens` (block size + 1: anchor and every draft) the rates are those of padded verifies
+    (`_sps_lookup`), and where Algorithm 1 stops, the positions that fill its verify up to the cheapest width
+    (`verify_width`) are admitted as well. The greedy on padded rates already stops on such a width whenever the
+    survivals it passed are positive, so the padding step only acts after a survival of 0.
+    """
+
+    def __init__(self, sps: SPS, max_tokens: int | None = None):
+        self.lookup = _sps_lookup(sps, max_tokens)
+        self.widths = {} if max_tokens is None else {b: verify_width(sps, b, max_tokens) for b in range(1, max_tokens)}
         self.reset()
 
     def reset(self) -> None:
         self.batch, self.expected = 1, 1.0
         self.best_theta = self.lookup(1)
+        self.width: int | None = None  # the padded verify width, once Algorithm 1 has stopped
 
     def __call__(self, position: int, survival: float) -> bool:
         if position == 1:
             self.reset()
-        theta = (self.expected + survival) * self.lookup(self.batch + 1)
-        if theta <= self.best_theta:
-            return False
-        self.batch, self.expected, self.best_theta = self.batch + 1, self.expected + survival, theta
-        return True
+        if self.width is None:
+            theta = (self.expected + survival) * self.lookup(self.batch + 1)
+            if theta > self.best_theta:
+                self.batch, self.expected, self.best_theta = self.batch + 1, self.expected + survival, theta
+                return True
+            self.width = self.widths.get(self.batch, self.batch)  # Algorithm 1 stops: pad its verify
+        return position < self.width  # draft `position` makes the verify `position + 1` tokens wide
 
 
 def threshold_admission(threshold: float) -> Callable[[int, float], bool]:
@@ -215,7 +275,7 @@ def build_admission(config, sps: SPS | None = None) -> Callable[[int, float], bo
             'verify_policy="scheduler" needs a steps-per-second profile of the target: set `drafter.sps_profile` '
             '(a {batch_tokens: steps_per_second} mapping) or choose verify_policy="threshold".'
         )
-    return PrefixAdmission(sps)
+    return PrefixAdmission(sps, max_tokens=config.block_size + 1)
 
 
 __all__ = [
@@ -227,4 +287,5 @@ __all__ = [
     "prefix_schedule",
     "settled_prefix_schedule",
     "threshold_admission",
+    "verify_width",
 ]
