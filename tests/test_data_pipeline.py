@@ -309,3 +309,18 @@ def test_resume_after_interruption_gives_the_same_dataset(tmp_path):
     assert stats["complete"] and set(stats["by_source"]) == {"math", "chat", "teacher-forced"}
     ids, mask = train.batch([0, 1], seq_len=64)
     assert ids.shape == mask.shape == (2, 64)
+
+
+def test_a_planned_run_resumes_without_its_eval_files(tmp_path):
+    """The guard filters the plan once; a resume on a machine without the eval files generates the same plan."""
+    target, tok = make_target(), tiny_tokenizer()
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text(json.dumps({"turns": ["an evaluation question"]}) + "\n")
+    config = _config(teacher_forced_tokens=0, exclude_eval=(str(eval_file),))
+    manifest = build_dataset(target, tok, tmp_path / "run", config, max_chunks=0, progress=False)
+    assert manifest["done"] == {} and (tmp_path / "run/prompts.jsonl").exists()
+    eval_file.unlink()
+    manifest = build_dataset(target, tok, tmp_path / "run", config, progress=False)
+    assert manifest["finalized"] and len(manifest["done"]) == manifest["num_chunks"]
+    with pytest.raises(FileNotFoundError):  # a new plan still needs them
+        build_dataset(target, tok, tmp_path / "new", config, progress=False)

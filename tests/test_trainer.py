@@ -339,3 +339,26 @@ def test_checkpoints_draft_over_the_training_shortlist(tmp_path, keep):
         assert 98 in saved.draft_vocab_ids.tolist()
     else:
         assert saved.config.draft_vocab_size == 0 and saved.draft_vocab_ids is None
+
+
+def test_max_time_fits_the_schedule_to_the_budget(tmp_path, monkeypatch):
+    """A time budget stops the run and ends the cosine schedule there, with a checkpoint; the clock is simulated (each
+    step 'takes' one second), so nothing here is timed."""
+    import dspark_hf.training.trainer as trainer_module
+
+    clock = iter(range(10_000))
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: float(next(clock)))
+    cfg = config(tmp_path, max_steps=1000, max_time=30, save_every=1000, log_every=1000)
+    trainer = DSparkTrainer(cfg, make_target(), tiny_dataset())
+    trainer.train()
+    assert 20 <= trainer.step <= 31, trainer.step  # ~30 one-second steps, not 1000
+    assert trainer.total_steps == trainer.step
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-9)  # the cosine ended with the run
+    assert (tmp_path / "run/latest").read_text() == f"checkpoint-{trainer.step}"
+    state = json.loads((tmp_path / f"run/checkpoint-{trainer.step}/trainer_state.json").read_text())
+    assert state["total_steps"] == trainer.step
+
+
+def test_max_time_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_time"):
+        DSparkTrainingConfig(max_time=-1)

@@ -21,8 +21,8 @@ class DSparkTrainingConfig:
         `drafter_config` (a hub_configs JSON, optional) or `drafter_kind` ("dspark", or "eagle3" for the EAGLE-3
         baseline) with the shape fields `num_hidden_layers`, `block_size`, and for DSpark `markov_rank`,
         `sequential_head`, `confidence_head`.
-    Optimisation: AdamW (`learning_rate`, `weight_decay`), `warmup_ratio` then cosine decay to 0 over `max_steps`,
-        `grad_clip`, `mixed_precision` ("no" or "bf16").
+    Optimisation: AdamW (`learning_rate`, `weight_decay`), `warmup_ratio` then cosine decay to 0 over `max_steps`
+        (or over the steps that fit in `max_time` seconds), `grad_clip`, `mixed_precision` ("no" or "bf16").
     Speed: `train_vocab_size` restricts the training-time output to a shortlist of frequent tokens, which
         `shortlist_draft_vocab` also saves as the checkpoint's draft vocabulary.
     Loss: `alpha_ce`, `alpha_tv`, `alpha_conf`, `loss_decay` (DeepSpec: 0.1 / 0.9 / 1.0, decay 4.0); `alpha_kl`
@@ -84,6 +84,13 @@ class DSparkTrainingConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_ratio: float = field(default=0.04, metadata={"help": "linear warm-up share of max_steps"})
     max_steps: int = field(default=1000, metadata={"help": "optimiser steps"})
+    max_time: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds this invocation may train (0: no limit); the warm-up and cosine schedule are fitted to "
+            "the steps that fit, measured as it runs (e.g. a timed GPU lease)"
+        },
+    )
     grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clipping"})
     mixed_precision: str = field(default="no", metadata={"help": "no | bf16"})
     alpha_ce: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term"})
@@ -114,6 +121,8 @@ class DSparkTrainingConfig:
             raise ValueError(f"`drafter_kind` must be one of {list(DRAFTER_KINDS)}, got {self.drafter_kind!r}.")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"`mixed_precision` must be 'no' or 'bf16', got {self.mixed_precision!r}.")
+        if self.max_time < 0:
+            raise ValueError(f"`max_time` must be >= 0 seconds (0: no limit), got {self.max_time}.")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"`warmup_ratio` must lie in [0, 1), got {self.warmup_ratio}.")
 

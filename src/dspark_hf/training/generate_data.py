@@ -272,7 +272,11 @@ def build_dataset(
     config = config or DataConfig()
     out = Path(out)
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    guard = EvalGuard(config.exclude_eval) if config.exclude_eval else None
+    # The eval guard filters the plan and the teacher-forced text; once both exist, a resume reads no eval file (so a
+    # run planned here can be finished on a machine that lacks them).
+    earlier = json.loads((out / MANIFEST).read_text(encoding="utf-8")) if (out / MANIFEST).exists() else None
+    needs_guard = earlier is None or (config.teacher_forced_tokens > 0 and earlier["teacher_forced"] is None)
+    guard = EvalGuard(config.exclude_eval) if config.exclude_eval and needs_guard else None
     if guard is not None:
         logger.info(f"eval guard: {len(guard)} evaluation prompts from {len(config.exclude_eval)} file(s)")
     manifest, plan = _open_run(out, config, tokenizer, guard)

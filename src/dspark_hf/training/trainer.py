@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -137,8 +138,10 @@ class DSparkTrainer:
         if config.features:
             self.features = FeatureCache.open(config.features, self.dataset, target, drafter.config.target_layer_ids)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-        warmup = max(1, int(config.warmup_ratio * config.max_steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, config.max_steps))
+        self.total_steps = config.max_steps  # the schedule's length; `max_time` fits it to the measured speed
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, max(1, int(config.warmup_ratio * self.total_steps)), self.total_steps)
+        )
         self.drafter, self.optimizer = self.accelerator.prepare(drafter.train(), optimizer)
         self.scheduler = scheduler
         self.step = 0
@@ -167,7 +170,14 @@ class DSparkTrainer:
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
             (tmp / "trainer_state.json").write_text(
-                json.dumps({"step": self.step, "best_tau": self.best_tau, "config": self.config.to_dict()})
+                json.dumps(
+                    {
+                        "step": self.step,
+                        "total_steps": self.total_steps,
+                        "best_tau": self.best_tau,
+                        "config": self.config.to_dict(),
+                    }
+                )
             )
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -195,6 +205,7 @@ class DSparkTrainer:
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
         state = json.loads((folder / "trainer_state.json").read_text())
         self.step, self.best_tau = state["step"], state.get("best_tau", 0.0)
+        self.total_steps = state.get("total_steps", self.config.max_steps)
         logger.info(f"Resumed from {folder} at step {self.step}.")
         return True
 
@@ -294,18 +305,39 @@ class DSparkTrainer:
             "greedy_tau": round(out.greedy_tau.item(), 4),
         }
 
+    def _steps_in_time(self, start: float, first_step: int, limit: int) -> int:
+        """`max_time`: the last step that fits the budget at the speed measured since `start` (evaluations and
+        checkpoints included); the schedule is stretched or shrunk to end there. 0 time left: stop now."""
+        elapsed, done = time.perf_counter() - start, self.step - first_step
+        if elapsed >= self.config.max_time:
+            fit = self.step
+        elif done < 10:  # too few steps to time (the first ones warm caches and kernels)
+            fit = self.total_steps
+        else:
+            fit = self.step + int((self.config.max_time - elapsed) * done / elapsed)
+        # every rank must stop at the same step: the slowest clock decides
+        fit = int(self.accelerator.gather(torch.tensor([fit], device=self.accelerator.device)).min())
+        self.total_steps = min(self.config.max_steps, max(fit, self.step))
+        return min(limit, fit)
+
     def train(self, resume: bool = False, stop_after: int | None = None) -> DSparkDraftModel:
-        """Run to `max_steps` (or stop after `stop_after` more steps, e.g. to fit a time budget, with a checkpoint)."""
+        """Run to `max_steps`, or for `max_time` seconds, or stop after `stop_after` more steps; each ends with a
+        checkpoint."""
         cfg = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self.resume()
         log_path = self.output_dir / "log.jsonl"
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", disable=not self.accelerator.is_main_process)
-        last = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.step + stop_after)
+        limit = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.step + stop_after)
+        last, start, first_step = limit, time.perf_counter(), self.step
         while self.step < last:
             record = self.train_step()
             bar.update(1)
+            if cfg.max_time:
+                last = self._steps_in_time(start, first_step, limit)
+                bar.total = last
+                record["total_steps"] = self.total_steps
             if self.heldout is not None and (self.step % cfg.eval_every == 0 or self.step == last):
                 record.update(self.evaluate())
                 self._save_best(record["eval_greedy_tau"])
