@@ -324,3 +324,21 @@ def test_a_planned_run_resumes_without_its_eval_files(tmp_path):
     assert manifest["finalized"] and len(manifest["done"]) == manifest["num_chunks"]
     with pytest.raises(FileNotFoundError):  # a new plan still needs them
         build_dataset(target, tok, tmp_path / "new", config, progress=False)
+
+
+def test_planning_stops_when_the_sources_run_dry(monkeypatch):
+    """Asking for more prompts than the sources hold, with some too long, plans what there is (it once redrew
+    forever, re-encoding the whole pool each time)."""
+    import dspark_hf.training.generate_data as generate_data
+
+    pool = [{"messages": [{"role": "user", "content": f"question {i} " + "long " * (200 * (i % 3 == 0))}],
+             "source": "chat", "kind": "test"} for i in range(9)]  # fmt: skip
+    calls = []
+
+    def fake_build_prompts(n, sources, seed, guard=None):
+        calls.append(n)
+        return pool[:n]
+
+    monkeypatch.setattr(generate_data, "build_prompts", fake_build_prompts)
+    plan = generate_data.plan_prompts(tiny_tokenizer(), _config(num_prompts=20, max_prompt_tokens=160))
+    assert len(plan) == 6 and len(calls) == 1  # 3 of 9 too long; nothing more to draw

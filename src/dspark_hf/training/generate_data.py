@@ -195,7 +195,8 @@ def plan_prompts(tokenizer, config: DataConfig, guard: EvalGuard | None = None) 
                 plan.append({**record, "heldout": is_heldout(prompt_text(record), config.heldout_fraction),
                              "input_ids": ids})  # fmt: skip
         dropped = len(records) - len(plan)
-        if len(plan) >= config.num_prompts or dropped == 0 or extra > config.num_prompts:
+        exhausted = len(records) < config.num_prompts + extra  # the sources have no more prompts to draw
+        if len(plan) >= config.num_prompts or dropped == 0 or exhausted or extra > config.num_prompts:
             break
         extra += dropped + 8
     if guard is not None and guard.rejected:
