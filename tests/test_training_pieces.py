@@ -185,3 +185,14 @@ def test_training_on_a_shortlist(target):
     labels = p.blocks.labels
     assert p.draft_logits.shape[-1] == len(half)
     torch.testing.assert_close(p.labels, torch.where(labels % 2 == 0, labels // 2, -1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: checks that blocks follow the batch")
+def test_blocks_follow_the_batch_to_its_device():
+    """Anchors come from a seeded CPU generator, so a step's blocks are the same on the CPU and the GPU."""
+    ids, mask = torch.randint(0, 50, (2, 24)), torch.ones(2, 24, dtype=torch.bool)
+    on_cpu = make_blocks(ids, mask, 4, 5, torch.Generator().manual_seed(0))
+    on_gpu = make_blocks(ids.cuda(), mask.cuda(), 4, 5, torch.Generator().manual_seed(0))
+    for name, value in vars(on_gpu).items():
+        assert value.is_cuda, name
+        assert torch.equal(value.cpu(), getattr(on_cpu, name)), name

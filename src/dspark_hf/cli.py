@@ -292,7 +292,8 @@ def cmd_data(args) -> int:
 
             target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
             tokenizer = AutoTokenizer.from_pretrained(args.target)
-        build_dataset(target, tokenizer, args.out, config, max_chunks=args.max_chunks)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        build_dataset(target.to(device), tokenizer, args.out, config, max_chunks=args.max_chunks)
     stats_path = Path(args.out) / "stats.json"
     if stats_path.exists():
         stats = json.loads(stats_path.read_text())
@@ -508,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--sample", action="store_true", help="sample with the target's recommended settings")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--max-chunks", type=int, default=None, help="stop after N more chunks (resume later)")
+    data.add_argument("--device", help="where the target generates (default: cuda when available, else cpu)")
     data.add_argument("--finalize", action="store_true", help="only merge the finished chunks into train/heldout")
     data.set_defaults(func=cmd_data)
 

@@ -6,6 +6,7 @@ and predicts the token at a_n + j + 1. Every block sees the target context at po
 hidden state does not exist yet at inference) and its own slots, bidirectionally; never another block.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,9 +67,17 @@ class BlockBatch:
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
 
+    def to(self, device) -> "BlockBatch":
+        return BlockBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
 
 def make_blocks(input_ids, loss_mask, block_size: int, num_anchors: int, generator=None) -> BlockBatch:
-    """Sample anchors and build labels, validity, positions and the attention mask. input_ids, loss_mask (B, L)."""
+    """Sample anchors and build labels, validity, positions and the attention mask. input_ids, loss_mask (B, L).
+
+    Built on the CPU (the anchors come from a seeded CPU `generator`, so a step's blocks are the same on any device),
+    then moved to `input_ids`' device."""
+    device = input_ids.device
+    input_ids, loss_mask = input_ids.cpu(), loss_mask.cpu()
     bsz, length = input_ids.shape
     anchors, anchor_valid = sample_anchors(loss_mask.bool(), num_anchors, generator)
     offsets = torch.arange(block_size)
@@ -81,7 +90,7 @@ def make_blocks(input_ids, loss_mask, block_size: int, num_anchors: int, generat
     prev_ids = torch.cat([torch.gather(input_ids, 1, anchors)[..., None], labels[..., :-1]], dim=-1)
     block_positions = (anchors[:, :, None] + offsets).flatten(1)  # (B, N·γ)
     position_ids = torch.cat([torch.arange(length).expand(bsz, -1), block_positions], dim=-1)
-    return BlockBatch(
+    blocks = BlockBatch(
         anchors=anchors,
         prev_ids=prev_ids,
         labels=labels,
@@ -90,3 +99,4 @@ def make_blocks(input_ids, loss_mask, block_size: int, num_anchors: int, generat
         position_ids=position_ids,
         attention_mask=block_attention_mask(length, anchors, block_size),
     )
+    return blocks.to(device)
