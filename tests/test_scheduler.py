@@ -6,7 +6,7 @@ from dspark_hf import DSparkConfig
 from dspark_hf.scheduler import (
     DraftGate,
     PrefixAdmission,
-    _sps_lookup,
+    SPSCurve,
     build_admission,
     conditional_confidences,
     drafting_pays,
@@ -68,12 +68,30 @@ CPU_SPS = {b: 1000.0 / ms for b, ms in CPU_MS.items()}
 
 
 def test_padded_rates_are_the_best_width_within_reach():
-    lookup = _sps_lookup(CPU_SPS, max_tokens=8)
+    lookup = SPSCurve(CPU_SPS).lookup(8)
     assert [round(1000 / lookup(b)) for b in range(1, 9)] == [65, 89, 89, 89, 89, 93, 93, 93]
     assert [verify_width(CPU_SPS, b, 8) for b in range(1, 9)] == [1, 5, 5, 5, 5, 8, 8, 8]
     assert verify_width(CPU_SPS, 2, 4) == 4 and verify_width(CPU_SPS, 2, 3) == 2  # never wider than reach
-    assert round(1000 / _sps_lookup(CPU_SPS, max_tokens=7)(6)) == 95  # 8 tokens are out of reach at 7
-    assert _sps_lookup(CPU_SPS)(3) == CPU_SPS[3]  # without max_tokens: the rate of the width itself
+    assert round(1000 / SPSCurve(CPU_SPS).lookup(7)(6)) == 95  # 8 tokens are out of reach at 7
+    assert SPSCurve(CPU_SPS)(3) == CPU_SPS[3]  # without max_tokens: the rate of the width itself
+
+
+def test_a_curve_builds_each_padded_table_once():
+    calls = []
+
+    def sps(b):
+        calls.append(b)
+        return CPU_SPS[b]
+
+    curve = SPSCurve(sps)
+    first = [curve.lookup(8)(b) for b in range(1, 9)]
+    assert sorted(calls) == list(range(1, 9))
+    assert [curve.lookup(8)(b) for b in range(1, 9)] == first and curve.width(2, 8) == 5
+    prefix_schedule([[0.9, 0.8, 0.7]] * 2, curve, max_tokens=8)  # the scheduler reuses a curve it is given
+    assert len(calls) == 8
+    assert SPSCurve.of(curve) is curve
+    with pytest.raises(ValueError, match="empty"):
+        SPSCurve({})
 
 
 def test_padding_makes_cheap_widths_worth_verifying():

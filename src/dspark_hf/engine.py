@@ -42,7 +42,7 @@ from .configuration_dspark import VERIFY_POLICIES
 from .generation import is_dspark_drafter
 from .ragged_cache import RaggedCache
 from .request import Request, check_sampling_settings, prompt_token_ids
-from .scheduler import SPS, DraftGate, _sps_lookup, prefix_schedule, settled_prefix_schedule
+from .scheduler import SPS, DraftGate, SPSCurve, prefix_schedule, settled_prefix_schedule
 
 
 logger = logging.get_logger(__name__)
@@ -185,8 +185,9 @@ class Engine:
         if policy == "scheduler":
             from .profiling import sps_for
 
-            self.sps = _covering_sps(sps if sps is not None else sps_for(drafter, self.target),
+            covering = _covering_sps(sps if sps is not None else sps_for(drafter, self.target),
                                      self.max_batch_size * (self.block_size + 1))  # fmt: skip
+            self.sps = SPSCurve(covering)  # one curve, so its padded tables are built once per reach
         return policy
 
     def _check_num_assistant_tokens(self, value: int | None) -> int:
@@ -723,7 +724,7 @@ def _covering_sps(sps: SPS, max_tokens: int) -> SPS:
         f"The SPS profile covers verify batches up to {largest} tokens, the engine may verify {max_tokens}: "
         "assuming time grows linearly beyond. Profile larger batches (`dspark-hf profile`) for a precise schedule."
     )
-    lookup = _sps_lookup(table)
+    lookup = SPSCurve(table)
     return lambda b: lookup(b) if b <= largest else table[largest] * largest / b
 
 

@@ -89,7 +89,7 @@ def padded_costs(values: list[float]) -> list[float]:
     than wider ones (2 and 3 tokens against 4 or 5, measured for SmolLM2-135M), consistently across contexts and
     days. A verify can be padded with the block's further drafts to any wider width it can fill, so what a verify
     of k tokens costs is the cheapest width at or above k. The scheduler prices that itself, within the drafts a
-    round has (`scheduler._sps_lookup`); this is the same curve over every profiled width, for reports and plots.
+    round has (`scheduler.SPSCurve`); this is the same curve over every profiled width, for reports and plots.
     """
     out, running = [], math.inf
     for value in reversed(values):

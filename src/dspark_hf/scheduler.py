@@ -13,62 +13,86 @@ from collections.abc import Callable, Mapping, Sequence
 SPS = Mapping[int, float] | Callable[[int], float]
 
 
-def _sps_lookup(sps: SPS, max_tokens: int | None = None) -> Callable[[int], float]:
-    """SPS(B) as a function. A table answers an unprofiled B with the next profiled size (conservative).
+class SPSCurve:
+    """A target's verify speed SPS(B), steps per second of a verify of B tokens (anchors included), from a profile
+    table or a function, and the same curve for verifies that further drafts can pad.
 
-    With `max_tokens` (the most tokens this verify can hold: every draft sampled, plus the anchors), SPS(B) is the
-    best rate of any width B' in [B, max_tokens]: a verify of B tokens can be padded with the block's further
-    drafts to the cheapest width at or above it (`verify_width`). On hardware where some widths are slower than
-    wider ones (this CPU: 2 and 3 tokens cost more than 4 or 5), Algorithm 1 then sees what a verify really costs,
-    and its greedy, which cannot stop inside a stretch of equal rates while survivals are positive, ends on the
-    cheapest width by itself.
+    A table answers an unprofiled B with the next profiled size (conservative) and rejects B beyond its largest.
+    `lookup(max_tokens)` prices a verify of B tokens at the best rate of any width in [B, max_tokens] (the most
+    tokens this verify can hold: every draft sampled, plus the anchors), and `width` names that cheapest width: a
+    verify can be padded with the block's further drafts. On hardware where some widths are slower than wider ones
+    (this CPU: 2 and 3 tokens cost more than 4 or 5), Algorithm 1 then sees what a verify really costs, and its
+    greedy, which cannot stop inside a stretch of equal rates while survivals are positive, ends on the cheapest
+    width by itself. Each reach's padded table is built once and kept: the Engine asks every sampling step.
     """
-    if callable(sps):
-        raw = sps
-    else:
-        table = dict(sps)
-        largest = max(table)
 
-        def raw(b: int) -> float:
-            if b in table:
-                return float(table[b])
-            if b > largest:
-                raise ValueError(f"The SPS profile covers verify batches up to {largest} tokens; {b} was requested.")
-            return float(table[min(k for k in table if k >= b)])
+    def __init__(self, sps: SPS):
+        if callable(sps):
+            self._rate = sps
+        else:
+            table = {int(b): float(rate) for b, rate in dict(sps).items()}
+            if not table:
+                raise ValueError("The SPS profile is empty: it needs {verify_tokens: steps_per_second} entries.")
+            largest = max(table)
 
-    if max_tokens is None:
-        return raw
-    best, running = {}, 0.0
-    for b in range(max_tokens, 0, -1):  # suffix maximum over the widths this verify can reach
-        try:
-            running = max(running, raw(b))
-        except ValueError:  # wider than the table covers: not a width to pad to
-            continue
-        best[b] = running
+            def rate(b: int) -> float:
+                if b in table:
+                    return table[b]
+                if b > largest:
+                    raise ValueError(
+                        f"The SPS profile covers verify batches up to {largest} tokens; {b} was requested."
+                    )
+                return table[min(k for k in table if k >= b)]
 
-    def padded(b: int) -> float:
-        return best[b] if b in best else raw(b)
+            self._rate = rate
+        self._envelopes: dict[int, dict[int, tuple[float, int]]] = {}
 
-    return padded
+    @classmethod
+    def of(cls, sps: "SPS | SPSCurve") -> "SPSCurve":
+        return sps if isinstance(sps, cls) else cls(sps)
+
+    def __call__(self, b: int) -> float:
+        return float(self._rate(b))
+
+    def _envelope(self, max_tokens: int) -> dict[int, tuple[float, int]]:
+        """Width B -> (best rate, narrowest width with it) over [B, max_tokens]; widths beyond the profile are
+        skipped."""
+        envelope = self._envelopes.get(max_tokens)
+        if envelope is None:
+            envelope, best = {}, (0.0, 0)
+            for b in range(max_tokens, 0, -1):  # suffix maximum; `>=` keeps the narrowest among equal rates
+                try:
+                    rate = self(b)
+                except ValueError:  # wider than the table covers: not a width to pad to
+                    continue
+                if rate >= best[0]:
+                    best = (rate, b)
+                envelope[b] = best
+            self._envelopes[max_tokens] = envelope
+        return envelope
+
+    def lookup(self, max_tokens: int | None = None) -> Callable[[int], float]:
+        """SPS(B) as a function; with `max_tokens`, the rate of a verify padded to its cheapest width in reach."""
+        if max_tokens is None:
+            return self
+        envelope = self._envelope(max_tokens)
+        return lambda b: envelope[b][0] if b in envelope else self(b)
+
+    def width(self, tokens: int, max_tokens: int) -> int:
+        """The cheapest verify width in [tokens, max_tokens]; the narrowest among equals (`verify_width`)."""
+        if tokens > max_tokens:
+            return tokens
+        return self._envelope(max_tokens).get(tokens, (0.0, tokens))[1]
 
 
 def verify_width(sps: SPS, tokens: int, max_tokens: int) -> int:
     """The cheapest verify width (tokens, anchors included) in [tokens, max_tokens]; the narrowest among equals.
 
-    What a verify of `tokens` tokens should run as when further drafts can fill it (`_sps_lookup` with
+    What a verify of `tokens` tokens should run as when further drafts can fill it (`SPSCurve.lookup` with
     `max_tokens` prices it so). Padding only adds drafts after the scheduled ones; whether a draft is verified
     still depends only on the drafts before it, so verification stays lossless.
     """
-    if tokens > max_tokens:
-        return tokens
-    lookup = _sps_lookup(sps)
-    rates = []
-    for b in range(tokens, max_tokens + 1):
-        try:
-            rates.append((lookup(b), -b))
-        except ValueError:
-            break
-    return -max(rates)[1] if rates else tokens
+    return SPSCurve.of(sps).width(tokens, max_tokens)
 
 
 def prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS, max_tokens: int | None = None) -> list[int]:
@@ -77,7 +101,7 @@ def prefix_schedule(confidences: Sequence[Sequence[float]], sps: SPS, max_tokens
     confidences[r][k]: calibrated conditional acceptance probability of request r at draft position k+1.
     sps: verify-batch token count B (anchors included) -> target steps per second.
     max_tokens: the widest verify the drafts can fill; when set, SPS(B) is the best rate at any width in
-        [B, max_tokens] (`_sps_lookup`), for a verify that is padded to its cheapest width (`verify_width`).
+        [B, max_tokens] (`SPSCurve.lookup`), for a verify that is padded to its cheapest width (`verify_width`).
     Returns ℓ_r for every request.
     """
     return settled_prefix_schedule(confidences, sps, unseen_bound=0.0, max_tokens=max_tokens)
@@ -94,7 +118,7 @@ def settled_prefix_schedule(
     order of survival, so once it stops at, or finishes on, a candidate above the bound, no unseen one can come
     first, and the result is exactly `prefix_schedule` of the whole block (with the same `max_tokens`).
     """
-    lookup = _sps_lookup(sps, max_tokens)
+    lookup = SPSCurve.of(sps).lookup(max_tokens)
     candidates = []
     for r, conf in enumerate(confidences):
         survival = 1.0
@@ -137,7 +161,7 @@ def drafting_pays(
     """
     if draft_seconds < 0:
         raise ValueError(f"`draft_seconds` must be >= 0, got {draft_seconds}.")
-    lookup = _sps_lookup(sps, max_tokens)
+    lookup = SPSCurve.of(sps).lookup(max_tokens)
     n_requests = len(predicted)
 
     def with_draft(b: int) -> float:
@@ -178,7 +202,7 @@ class DraftGate:
             raise ValueError(
                 f"`max_probe_interval` ({max_probe_interval}) must be at least `probe_interval` ({probe_interval})."
             )
-        self.sps, self.draft_seconds = sps, draft_seconds
+        self.sps, self.draft_seconds = SPSCurve.of(sps), draft_seconds
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.measured: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
         self.prior: list[float] | None = None
@@ -232,13 +256,13 @@ class PrefixAdmission:
     """Algorithm 1 for one request, applied incrementally while the block is sampled (`admit(k, a_k)`).
 
     With `max_tokens` (block size + 1: anchor and every draft) the rates are those of padded verifies
-    (`_sps_lookup`), and where Algorithm 1 stops, the positions that fill its verify up to the cheapest width
+    (`SPSCurve.lookup`), and where Algorithm 1 stops, the positions that fill its verify up to the cheapest width
     (`verify_width`) are admitted as well. The greedy on padded rates already stops on such a width whenever the
     survivals it passed are positive, so the padding step only acts after a survival of 0.
     """
 
     def __init__(self, sps: SPS, max_tokens: int | None = None):
-        self.lookup = _sps_lookup(sps, max_tokens)
+        self.lookup = SPSCurve.of(sps).lookup(max_tokens)
         self.widths = {} if max_tokens is None else {b: verify_width(sps, b, max_tokens) for b in range(1, max_tokens)}
         self.reset()
 
@@ -281,6 +305,7 @@ def build_admission(config, sps: SPS | None = None) -> Callable[[int, float], bo
 __all__ = [
     "DraftGate",
     "PrefixAdmission",
+    "SPSCurve",
     "build_admission",
     "conditional_confidences",
     "drafting_pays",

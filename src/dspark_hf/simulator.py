@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .scheduler import SPS, _sps_lookup, prefix_schedule
+from .scheduler import SPS, SPSCurve, prefix_schedule
 
 
 @dataclass
@@ -64,7 +64,7 @@ def simulate(
     """
     if not steps:
         raise ValueError("No logged steps to replay.")
-    lookup = _sps_lookup(sps)
+    lookup = SPSCurve.of(sps)
     rng = random.Random(seed)
     rounds = rounds or max(1, len(steps) // concurrency)
     total_tokens = total_time = verified = 0.0
