@@ -6,7 +6,6 @@ and predicts the token at a_n + j + 1. Every block sees the target context at po
 hidden state does not exist yet at inference) and its own slots, bidirectionally; never another block.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +37,9 @@ def block_attention_mask(seq_len: int, anchors: torch.Tensor, block_size: int):
     anchors (B, N) -> (B, 1, N·γ, L + N·γ).
     """
     bsz, n = anchors.shape
-    context_pos = torch.arange(seq_len)
+    context_pos = torch.arange(seq_len, device=anchors.device)
     sees_context = context_pos[None, None, :] < anchors[:, :, None]  # (B, N, L): context strictly before the anchor
-    block_id = torch.arange(n).repeat_interleave(block_size)  # (N·γ,)
+    block_id = torch.arange(n, device=anchors.device).repeat_interleave(block_size)  # (N·γ,)
     same_block = block_id[:, None] == block_id[None, :]  # (N·γ, N·γ)
     ctx = sees_context.repeat_interleave(block_size, dim=1)  # (B, N·γ, L)
     own = same_block[None].expand(bsz, -1, -1)  # (B, N·γ, N·γ)
@@ -67,20 +66,17 @@ class BlockBatch:
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
 
-    def to(self, device) -> "BlockBatch":
-        return BlockBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
-
 
 def make_blocks(input_ids, loss_mask, block_size: int, num_anchors: int, generator=None) -> BlockBatch:
     """Sample anchors and build labels, validity, positions and the attention mask. input_ids, loss_mask (B, L).
 
-    Built on the CPU (the anchors come from a seeded CPU `generator`, so a step's blocks are the same on any device),
-    then moved to `input_ids`' device."""
+    The anchors are drawn on the CPU (from a seeded CPU `generator`, so a step's blocks are the same on any device);
+    the rest is built on `input_ids`' device."""
     device = input_ids.device
-    input_ids, loss_mask = input_ids.cpu(), loss_mask.cpu()
     bsz, length = input_ids.shape
-    anchors, anchor_valid = sample_anchors(loss_mask.bool(), num_anchors, generator)
-    offsets = torch.arange(block_size)
+    anchors, anchor_valid = sample_anchors(loss_mask.bool().cpu(), num_anchors, generator)
+    anchors, anchor_valid = anchors.to(device), anchor_valid.to(device)
+    offsets = torch.arange(block_size, device=device)
     label_pos = anchors[:, :, None] + offsets + 1  # (B, N, γ): token position predicted by slot j
     inside = label_pos < length
     safe = label_pos.clamp(max=length - 1)
@@ -89,8 +85,8 @@ def make_blocks(input_ids, loss_mask, block_size: int, num_anchors: int, generat
     valid = supervised.long().cumprod(dim=-1).bool()
     prev_ids = torch.cat([torch.gather(input_ids, 1, anchors)[..., None], labels[..., :-1]], dim=-1)
     block_positions = (anchors[:, :, None] + offsets).flatten(1)  # (B, N·γ)
-    position_ids = torch.cat([torch.arange(length).expand(bsz, -1), block_positions], dim=-1)
-    blocks = BlockBatch(
+    position_ids = torch.cat([torch.arange(length, device=device).expand(bsz, -1), block_positions], dim=-1)
+    return BlockBatch(
         anchors=anchors,
         prev_ids=prev_ids,
         labels=labels,
@@ -99,4 +95,3 @@ def make_blocks(input_ids, loss_mask, block_size: int, num_anchors: int, generat
         position_ids=position_ids,
         attention_mask=block_attention_mask(length, anchors, block_size),
     )
-    return blocks.to(device)
