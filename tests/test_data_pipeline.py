@@ -1,5 +1,7 @@
 """`dspark-hf data`: prompt sources, held-out split, eval guard, batched generation and resumable building."""
 
+import gzip
+import hashlib
 import json
 from collections import Counter
 
@@ -298,7 +300,7 @@ def test_resume_after_interruption_gives_the_same_dataset(tmp_path):
     text_windows = json.loads((part / "manifest.json").read_text())["teacher_forced"]["sequences"]
     assert len(train) + len(held) == 10 + text_windows
     assert len(held) > 0
-    plan = [json.loads(line) for line in open(part / "prompts.jsonl")]
+    plan = [json.loads(line) for line in gzip.open(part / "prompts.jsonl.gz", "rt")]
     held_texts = {prompt_text(r) for r in plan if r["heldout"]}
     assert held_texts.isdisjoint(prompt_text(r) for r in plan if not r["heldout"])
     starts = train.loss_start.tolist() + held.loss_start.tolist()
@@ -318,12 +320,32 @@ def test_a_planned_run_resumes_without_its_eval_files(tmp_path):
     eval_file.write_text(json.dumps({"turns": ["an evaluation question"]}) + "\n")
     config = _config(teacher_forced_tokens=0, exclude_eval=(str(eval_file),))
     manifest = build_dataset(target, tok, tmp_path / "run", config, max_chunks=0, progress=False)
-    assert manifest["done"] == {} and (tmp_path / "run/prompts.jsonl").exists()
+    assert manifest["done"] == {} and (tmp_path / "run/prompts.jsonl.gz").exists()
     eval_file.unlink()
     manifest = build_dataset(target, tok, tmp_path / "run", config, progress=False)
     assert manifest["finalized"] and len(manifest["done"]) == manifest["num_chunks"]
     with pytest.raises(FileNotFoundError):  # a new plan still needs them
         build_dataset(target, tok, tmp_path / "new", config, progress=False)
+
+
+def test_plan_is_gzipped_and_a_run_with_a_plain_plan_resumes(tmp_path):
+    """The plan is written compressed (same bytes for the same plan); a run planned before that, with
+    `prompts.jsonl`, resumes from it, and `plan_sha256` is the hash of the JSONL text either way."""
+    target, tok = make_target(), tiny_tokenizer()
+    config = _config(teacher_forced_tokens=0)
+    planned = [build_dataset(target, tok, tmp_path / name, config, max_chunks=0, progress=False) for name in "ab"]
+    packed = (tmp_path / "a/prompts.jsonl.gz").read_bytes()
+    assert packed == (tmp_path / "b/prompts.jsonl.gz").read_bytes() and packed[:2] == b"\x1f\x8b"
+    text = gzip.decompress(packed)
+    assert planned[0]["plan_sha256"] == hashlib.sha256(text).hexdigest()
+    (tmp_path / "a/prompts.jsonl").write_bytes(text)  # what an older run holds
+    (tmp_path / "a/prompts.jsonl.gz").unlink()
+    done = [build_dataset(target, tok, tmp_path / name, config, progress=False) for name in "ab"]
+    assert all(m["finalized"] for m in done)
+    assert not (tmp_path / "a/prompts.jsonl.gz").exists()  # the old plan was used, not a new one
+    for name in ("train.npz", "heldout.npz"):
+        a, b = _arrays(tmp_path / "a" / name), _arrays(tmp_path / "b" / name)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_planning_stops_when_the_sources_run_dry(monkeypatch):

@@ -1,6 +1,7 @@
-"""Small shared helpers: atomic file writes (nothing a user saved is ever half-written), JSONL reading, a linear
-map for few rows."""
+"""Small shared helpers: atomic file writes (nothing a user saved is ever half-written), JSONL reading (plain or
+gzipped), a linear map for few rows."""
 
+import gzip
 import json
 import os
 import tempfile
@@ -28,8 +29,10 @@ def atomic_write_json(obj, path: str | os.PathLike) -> None:
 
 
 def read_jsonl(path: str | os.PathLike):
-    """Yield `(line number, record)` for every non-blank line; ValueError names a line that is not JSON."""
-    with open(path, encoding="utf-8") as f:
+    """Yield `(line number, record)` for every non-blank line (gzipped when the name ends in .gz); ValueError names a
+    line that is not JSON."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

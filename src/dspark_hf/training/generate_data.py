@@ -11,13 +11,14 @@ Two kinds of sequences, both stored as `TokenDataset`s (`train.npz`, `heldout.np
 
 Work is split into chunks of `chunk_size` prompts. Each finished chunk is written as its own shard
 (`shards/gen-NNNNN.npz`, temporary file + rename) and recorded in `manifest.json` (also rewritten atomically), so a
-killed run continues with the first chunk that is not done. The prompt plan is written once (`prompts.jsonl`) and
-reused on resume. When every chunk is done (or on `finalize=True`), the shards are merged in chunk order into
-`train.npz` / `heldout.npz` (held-out by a hash of the prompt text, see `prompts.is_heldout`) plus `stats.json`.
+killed run continues with the first chunk that is not done. The prompt plan is written once (`prompts.jsonl.gz`;
+runs made before plans were compressed keep their `prompts.jsonl`) and reused on resume. When every chunk is done
+(or on `finalize=True`), the shards are merged in chunk order into `train.npz` / `heldout.npz` (held-out by a hash
+of the prompt text, see `prompts.is_heldout`) plus `stats.json`.
 """
 
 import dataclasses
-import hashlib
+import functools
 import json
 import os
 import time
@@ -30,13 +31,15 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from transformers.utils import logging
 
+from ..utils import read_jsonl
 from .dataset import TokenDataset
 from .prompts import SOURCES, EvalGuard, build_prompts, is_heldout, prompt_text, save_jsonl, text_documents
 
 
 logger = logging.get_logger(__name__)
 
-MANIFEST, PLAN, SHARD_DIR = "manifest.json", "prompts.jsonl", "shards"
+MANIFEST, PLAN, SHARD_DIR = "manifest.json", "prompts.jsonl.gz", "shards"
+LEGACY_PLAN = "prompts.jsonl"  # the plan of runs made before plans were compressed (`plan_sha256` is the same)
 # Used when sampling is asked for and the target's generation_config recommends nothing (DeepSpec's Qwen3 settings).
 FALLBACK_SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=20)
 
@@ -228,9 +231,20 @@ def teacher_forced_sequences(tokenizer, config: DataConfig, guard: EvalGuard | N
     return seqs, [config.text_prefix_tokens] * len(seqs), meta
 
 
+def _eval_guard(config: DataConfig) -> EvalGuard | None:
+    if not config.exclude_eval:
+        return None
+    guard = EvalGuard(config.exclude_eval)
+    logger.info(f"eval guard: {len(guard)} evaluation prompts from {len(config.exclude_eval)} file(s)")
+    return guard
+
+
 def _open_run(out: Path, config: DataConfig, tokenizer, guard) -> tuple[dict, list[dict]]:
-    """The manifest and the plan: loaded (and checked against `config`) when `out` holds a run, else created."""
+    """The manifest and the plan: loaded (and checked against `config`) when `out` holds a run, else created (with
+    the eval guard `guard()`)."""
     manifest_path, plan_path = out / MANIFEST, out / PLAN
+    if not plan_path.exists() and (out / LEGACY_PLAN).exists():
+        plan_path = out / LEGACY_PLAN
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         old, new = manifest["config"], config.to_dict()
@@ -240,16 +254,14 @@ def _open_run(out: Path, config: DataConfig, tokenizer, guard) -> tuple[dict, li
                 f"{out} holds a run with different settings ({', '.join(f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in changed)}). "  # noqa: E501
                 "Resume with the same arguments, use --finalize to merge what is done, or choose another --out."
             )
-        with open(plan_path, encoding="utf-8") as f:
-            plan = [json.loads(line) for line in f if line.strip()]
+        plan = [record for _, record in read_jsonl(plan_path)]
         logger.info(f"resuming {out}: {len(manifest['done'])}/{manifest['num_chunks']} chunks done")
         return manifest, plan
-    plan = plan_prompts(tokenizer, config, guard)
-    save_jsonl(plan, plan_path)
+    plan = plan_prompts(tokenizer, config, guard())
     manifest = {
         "version": 1,
         "config": config.to_dict(),
-        "plan_sha256": hashlib.sha256(plan_path.read_bytes()).hexdigest(),
+        "plan_sha256": save_jsonl(plan, out / PLAN),  # of the JSONL text, uncompressed
         "num_prompts": len(plan),
         "num_chunks": (len(plan) + config.chunk_size - 1) // config.chunk_size,
         "done": {},
@@ -273,19 +285,15 @@ def build_dataset(
     config = config or DataConfig()
     out = Path(out)
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    # The eval guard filters the plan and the teacher-forced text; once both exist, a resume reads no eval file (so a
-    # run planned here can be finished on a machine that lacks them).
-    earlier = json.loads((out / MANIFEST).read_text(encoding="utf-8")) if (out / MANIFEST).exists() else None
-    needs_guard = earlier is None or (config.teacher_forced_tokens > 0 and earlier["teacher_forced"] is None)
-    guard = EvalGuard(config.exclude_eval) if config.exclude_eval and needs_guard else None
-    if guard is not None:
-        logger.info(f"eval guard: {len(guard)} evaluation prompts from {len(config.exclude_eval)} file(s)")
+    # The eval guard filters the plan and the teacher-forced text; it is read only when one of them is made, so a
+    # resume reads no eval file (a run planned here can be finished on a machine that lacks them).
+    guard = functools.cache(lambda: _eval_guard(config))
     manifest, plan = _open_run(out, config, tokenizer, guard)
     manifest_path = out / MANIFEST
 
     if config.teacher_forced_tokens > 0 and manifest["teacher_forced"] is None:
         start = time.perf_counter()
-        seqs, starts, meta = teacher_forced_sequences(tokenizer, config, guard)
+        seqs, starts, meta = teacher_forced_sequences(tokenizer, config, guard())
         _save_shard(out / SHARD_DIR / "text.npz", seqs, starts, meta)
         manifest["teacher_forced"] = {"sequences": len(seqs), "tokens": int(sum(map(len, seqs))),
                                       "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip

@@ -1084,11 +1084,17 @@ def source_inventory() -> dict[str, int]:
     }
 
 
-def save_jsonl(records: Iterable[dict], path: str | os.PathLike) -> None:
-    """Atomic JSONL write (temporary file, then rename)."""
+def save_jsonl(records: Iterable[dict], path: str | os.PathLike) -> str:
+    """Atomic JSONL write (temporary file, then rename), gzipped when the name ends in .gz (with a fixed timestamp,
+    so the same records give the same bytes). Returns the sha256 of the JSONL text (before compression)."""
     path = Path(path)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    with open(tmp, "wb") as f:
+        if path.name.endswith(".gz"):
+            with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as z:
+                z.write(text)
+        else:
+            f.write(text)
     tmp.replace(path)
+    return hashlib.sha256(text).hexdigest()
