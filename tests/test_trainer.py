@@ -350,8 +350,12 @@ def test_max_time_fits_the_schedule_to_the_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: float(next(clock)))
     cfg = config(tmp_path, max_steps=1000, max_time=30, save_every=1000, log_every=1000)
     trainer = DSparkTrainer(cfg, make_target(), tiny_dataset())
+    rates, step = [], trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda: [step(), rates.append(trainer.scheduler.get_last_lr()[0])][0])
     trainer.train()
     assert 20 <= trainer.step <= 31, trainer.step  # ~30 one-second steps, not 1000
+    # fitted from the second step on: the warm-up is 4 % of ~30 steps, not of max_steps (40 steps at ~1e-5)
+    assert rates[2] > 0.9 * cfg.learning_rate
     assert trainer.total_steps == trainer.step
     assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-9)  # the cosine ended with the run
     assert (tmp_path / "run/latest").read_text() == f"checkpoint-{trainer.step}"

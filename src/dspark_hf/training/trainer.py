@@ -305,16 +305,19 @@ class DSparkTrainer:
             "greedy_tau": round(out.greedy_tau.item(), 4),
         }
 
-    def _steps_in_time(self, start: float, first_step: int, limit: int) -> int:
-        """`max_time`: the last step that fits the budget at the speed measured since `start` (evaluations and
-        checkpoints included); the schedule is stretched or shrunk to end there. 0 time left: stop now."""
-        elapsed, done = time.perf_counter() - start, self.step - first_step
+    def _steps_in_time(self, budget_start: float, timed_from: tuple[float, int] | None, limit: int) -> int:
+        """`max_time`: the last step that fits the budget since `budget_start`, at the speed measured since
+        `timed_from` (time, step: after the first step, which warms caches and kernels; evaluations and checkpoints
+        included); the schedule is stretched or shrunk to end there. 0 time left: stop now."""
+        now = time.perf_counter()
+        elapsed = now - budget_start
         if elapsed >= self.config.max_time:
             fit = self.step
-        elif done < 10:  # too few steps to time (the first ones warm caches and kernels)
-            fit = self.total_steps
+        elif timed_from is None or self.step == timed_from[1] or now <= timed_from[0]:
+            fit = self.total_steps  # nothing timed yet
         else:
-            fit = self.step + int((self.config.max_time - elapsed) * done / elapsed)
+            rate = (self.step - timed_from[1]) / (now - timed_from[0])
+            fit = self.step + int((self.config.max_time - elapsed) * rate)
         # every rank must stop at the same step: the slowest clock decides
         fit = int(self.accelerator.gather(torch.tensor([fit], device=self.accelerator.device)).min())
         self.total_steps = min(self.config.max_steps, max(fit, self.step))
@@ -330,12 +333,13 @@ class DSparkTrainer:
         log_path = self.output_dir / "log.jsonl"
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", disable=not self.accelerator.is_main_process)
         limit = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.step + stop_after)
-        last, start, first_step = limit, time.perf_counter(), self.step
+        last, start, timed_from = limit, time.perf_counter(), None
         while self.step < last:
             record = self.train_step()
             bar.update(1)
             if cfg.max_time:
-                last = self._steps_in_time(start, first_step, limit)
+                last = self._steps_in_time(start, timed_from, limit)
+                timed_from = timed_from or (time.perf_counter(), self.step)
                 bar.total = last
                 record["total_steps"] = self.total_steps
             if self.heldout is not None and (self.step % cfg.eval_every == 0 or self.step == last):
