@@ -43,6 +43,7 @@ from .generation import is_dspark_drafter
 from .ragged_cache import RaggedCache
 from .request import Request, check_sampling_settings, prompt_token_ids
 from .scheduler import SPS, DraftGate, SPSCurve, prefix_schedule, settled_prefix_schedule
+from .verify_head import attach, verifying
 
 
 logger = logging.get_logger(__name__)
@@ -134,6 +135,8 @@ class Engine:
         # transformers 5.24 renamed `past_key_values` to `cache`; remote-code models may keep the old name
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keeps_logits = "logits_to_keep" in params
+        self.verify_head = target.get_output_embeddings()
+        attach(self.verify_head)  # a CPU float32 head computes a step's few rows faster (verify_head.py)
         self.policy = self._setup_drafter(drafter, tokenizer, verify_policy, sps)
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.gate = DraftGate(self.sps, draft_seconds) if self._check_gate(gate_drafts, draft_seconds) else None
@@ -515,10 +518,11 @@ class Engine:
         slots = torch.arange(width, device=self.device)
         position_ids = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None] + slots
         mask = self.target_cache.attention_mask(slots[None] <= lengths[:, None])  # (B, T + W)
-        out = self.target(
-            input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
-            output_hidden_states=self.taps, **{self.cache_arg: self.target_cache.cache},
-        )  # fmt: skip
+        with verifying(self.verify_head):
+            out = self.target(
+                input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
+                output_hidden_states=self.taps, **{self.cache_arg: self.target_cache.cache},
+            )  # fmt: skip
         self._counts["rounds"] += 1
         return out.logits.to(self.device).float(), self._features(out) if self.taps else None
 

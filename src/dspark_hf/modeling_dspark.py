@@ -36,6 +36,7 @@ from transformers.utils import logging
 from .configuration_dspark import DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, DSparkConfidenceHead, survival_probabilities
 from .utils import gathered_rows, linear_few_rows
+from .verify_head import VerifyLinear
 
 
 logger = logging.get_logger(__name__)
@@ -184,8 +185,9 @@ class DSparkBlockDraft:
 
 
 def _plain_linear(module: nn.Module) -> bool:
-    """An unhooked `nn.Linear`, whose weight can be multiplied directly (or its rows picked)."""
-    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+    """An unhooked `nn.Linear` (or the verify head it becomes, `verify_head.VerifyLinear`), whose weight can be
+    multiplied directly (or its rows picked)."""
+    return type(module) in (nn.Linear, VerifyLinear) and not (module._forward_hooks or module._forward_pre_hooks)
 
 
 class DrafterMixin:

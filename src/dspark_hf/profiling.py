@@ -23,7 +23,9 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
+from . import verify_head
 from .scheduler import SPS
+from .verify_head import attach, verifying
 
 
 logger = logging.get_logger(__name__)
@@ -144,6 +146,9 @@ def profile_target(
     # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns); older model code keeps the old one
     cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
+    head = target.get_output_embeddings()
+    fast_head = attach(head)  # verify passes use the few-rows LM head where it applies (verify_head.py)
+
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
 
@@ -161,7 +166,8 @@ def profile_target(
                     ids = random_ids(b, k)
                     _sync(device)
                     start = time.perf_counter()
-                    target(input_ids=ids, use_cache=True, **{cache_arg: cache})
+                    with verifying(head):
+                        target(input_ids=ids, use_cache=True, **{cache_arg: cache})
                     _sync(device)
                     elapsed = time.perf_counter() - start
                     cache.crop(-k)
@@ -181,6 +187,7 @@ def profile_target(
         "device": _device_name(device),
         "dtype": _dtype_name(dtype),
         "torch_threads": torch.get_num_threads(),
+        "verify_head": fast_head and verify_head.ENABLED,  # verifies timed with the few-rows LM head
         "target": fingerprint,
         "context_len": context_len,
         "warmup": warmup,

@@ -1,0 +1,64 @@
+"""Time the target's verify forward with and without the few-rows LM head (`dspark_hf.verify_head`) on the embedded
+SmolLM2 target, side by side (median of 15 rounds, each round visiting every case once).
+
+    python examples/time_verify_head.py
+
+Prints, per verify width (anchor + drafts), the milliseconds of the LM-head product alone and of a whole target
+forward over a 256-token cache, as `nn.Linear` computes them and with the few-rows product.
+"""
+
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from dspark_hf import verify_head
+from dspark_hf.default import load_default_target
+
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+@torch.no_grad()
+def main() -> None:
+    target, _ = load_default_target()
+    head = target.get_output_embeddings()
+    if not verify_head.attach(head):
+        raise SystemExit("The target's LM head is not a float32 CPU nn.Linear: the few-rows product does not apply.")
+    generator = torch.Generator().manual_seed(0)
+    vocab, hidden_size = head.weight.shape
+    cache = DynamicCache(config=target.config)
+    target(input_ids=torch.randint(0, vocab, (1, 256), generator=generator), cache=cache, use_cache=True)
+    hidden = {k: torch.randn(1, k, hidden_size, generator=generator) for k in WIDTHS}
+    ids = {k: torch.randint(0, vocab, (1, k), generator=generator) for k in WIDTHS}
+    times = {(what, k, fast): [] for what in ("head", "forward") for k in WIDTHS for fast in (False, True)}
+
+    def run(what, k, fast):
+        head.verifying = fast
+        start = time.perf_counter()
+        if what == "head":
+            head(hidden[k])
+        else:
+            target(input_ids=ids[k], cache=cache, use_cache=True)
+            cache.crop(-k)
+        times[what, k, fast].append(1e3 * (time.perf_counter() - start))
+
+    for i in range(17):  # 2 warm-up rounds
+        for case in times:
+            run(*case)
+        if i == 1:
+            for values in times.values():
+                values.clear()
+    head.verifying = False
+    print(f"{'width':>5}  {'LM head: linear':>15}  {'few rows':>8}  {'forward: linear':>15}  {'few rows':>8}")
+    for k in WIDTHS:
+        med = {key: statistics.median(v) for key, v in times.items() if key[1] == k}
+        print(
+            f"{k:5d}  {med['head', k, False]:12.1f} ms  {med['head', k, True]:5.1f} ms  "
+            f"{med['forward', k, False]:12.1f} ms  {med['forward', k, True]:5.1f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
