@@ -118,6 +118,7 @@ def test_find_profile_next_to_the_checkpoint(tmp_path, target):
         (lambda p: p.update(dtype="bfloat16"), "cpu/bfloat16"),
         (lambda p: p.update(device="NVIDIA H200"), "NVIDIA H200/float32"),
         (lambda p: p.update(sps={"1": 5.0, "2": 4.0}), "up to 2 tokens"),
+        (lambda p: p.pop("verify_head"), "without the few-rows LM head"),  # made before it existed
     ],
 )
 def test_find_profile_rejects_a_mismatch_with_a_warning(tmp_path, target, change, why):

@@ -335,6 +335,12 @@ def _profile_mismatch(profile: dict, target, min_tokens: int | None = None) -> s
     stored = {field: profile["target"].get(field) for field in _FINGERPRINT_FIELDS}
     if stored != fingerprint:
         return f"profiled for target {stored}, this target is {fingerprint}"
+    uses_head = verify_head.ENABLED and verify_head.eligible(target.get_output_embeddings())
+    if bool(profile.get("verify_head", False)) != uses_head:  # profiles before 2026-12-04 have no such field
+        return (
+            f"timed verifies {'without' if uses_head else 'with'} the few-rows LM head, which this target's verifies "
+            f"{'use' if uses_head else 'do not use'} (dspark_hf.verify_head)"
+        )
     largest = max(sps_table(profile))
     if min_tokens is not None and largest < min_tokens:
         return f"covers verify batches up to {largest} tokens, the drafter's block needs {min_tokens}"

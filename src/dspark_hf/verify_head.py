@@ -48,16 +48,21 @@ def attach(lm_head) -> bool:
     accelerate hooks. Idempotent; returns whether the head is one."""
     if isinstance(lm_head, VerifyLinear):
         return True
-    eligible = (
+    if eligible(lm_head):
+        lm_head.__class__ = VerifyLinear
+        return True
+    return False
+
+
+def eligible(lm_head) -> bool:
+    """Whether `attach` takes this head (or has already)."""
+    return isinstance(lm_head, VerifyLinear) or (
         type(lm_head) is nn.Linear
         and lm_head.weight.device.type == "cpu"
         and lm_head.weight.dtype == torch.float32
         and not hasattr(lm_head, "_hf_hook")
         and "forward" not in vars(lm_head)  # someone replaced its forward already: leave it alone
     )
-    if eligible:
-        lm_head.__class__ = VerifyLinear
-    return eligible
 
 
 def set_verifying(lm_head, active: bool) -> None:
@@ -79,4 +84,4 @@ def verifying(lm_head):
         lm_head.verifying = previous
 
 
-__all__ = ["VerifyLinear", "attach", "set_verifying", "verifying"]
+__all__ = ["VerifyLinear", "attach", "eligible", "set_verifying", "verifying"]
