@@ -1,10 +1,10 @@
-"""Time the target's verify forward with and without the few-rows LM head (`dspark_hf.verify_head`) on the embedded
+"""Time the target's verify forward with and without the few-rows products (`dspark_hf.verify_head`) on the embedded
 SmolLM2 target, side by side (median of 15 rounds, each round visiting every case once).
 
     python examples/time_verify_head.py
 
 Prints, per verify width (anchor + drafts), the milliseconds of the LM-head product alone and of a whole target
-forward over a 256-token cache, as `nn.Linear` computes them and with the few-rows product.
+forward over a 256-token cache, as `nn.Linear` computes them and with the few-rows products.
 """
 
 import statistics
@@ -24,8 +24,8 @@ WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 def main() -> None:
     target, _ = load_default_target()
     head = target.get_output_embeddings()
-    if not verify_head.attach(head):
-        raise SystemExit("The target's LM head is not a float32 CPU nn.Linear: the few-rows product does not apply.")
+    if not verify_head.attach(target):
+        raise SystemExit("The target has no float32 CPU nn.Linear: the few-rows products do not apply.")
     generator = torch.Generator().manual_seed(0)
     vocab, hidden_size = head.weight.shape
     cache = DynamicCache(config=target.config)
@@ -35,7 +35,7 @@ def main() -> None:
     times = {(what, k, fast): [] for what in ("head", "forward") for k in WIDTHS for fast in (False, True)}
 
     def run(what, k, fast):
-        head.verifying = fast
+        verify_head.set_verifying(target, fast)
         start = time.perf_counter()
         if what == "head":
             head(hidden[k])
@@ -50,7 +50,7 @@ def main() -> None:
         if i == 1:
             for values in times.values():
                 values.clear()
-    head.verifying = False
+    verify_head.set_verifying(target, False)
     print(f"{'width':>5}  {'LM head: linear':>15}  {'few rows':>8}  {'forward: linear':>15}  {'few rows':>8}")
     for k in WIDTHS:
         med = {key: statistics.median(v) for key, v in times.items() if key[1] == k}

@@ -118,7 +118,8 @@ def test_find_profile_next_to_the_checkpoint(tmp_path, target):
         (lambda p: p.update(dtype="bfloat16"), "cpu/bfloat16"),
         (lambda p: p.update(device="NVIDIA H200"), "NVIDIA H200/float32"),
         (lambda p: p.update(sps={"1": 5.0, "2": 4.0}), "up to 2 tokens"),
-        (lambda p: p.pop("verify_head"), "without the few-rows LM head"),  # made before it existed
+        (lambda p: p.pop("verify_head"), "version 0; this target"),  # made before it existed
+        (lambda p: p.update(verify_head=True), "version 1; this target"),  # the LM head alone
     ],
 )
 def test_find_profile_rejects_a_mismatch_with_a_warning(tmp_path, target, change, why):

@@ -217,6 +217,14 @@ def test_draft_gate_prices_the_draft_pass():
     assert not drafting_pays([[], []], sps | {3: 10.0}, draft_seconds=0.0)  # rows with no room to draft
 
 
+def test_draft_gate_prices_a_plain_step_unpadded():
+    """Where a 2-token verify is cheaper than a 1-token step (this CPU with the few-rows products), a plain step
+    still costs its own width: it has no drafts to pad with. Drafting one token that may fail then pays."""
+    sps = {1: 10.0, 2: 16.0, 3: 12.0}
+    assert drafting_pays([[0.0, 0.0]], sps, draft_seconds=0.02, max_tokens=3)  # 1/16 + 0.02 s < 1/10 s
+    assert not drafting_pays([[0.0, 0.0]], sps, draft_seconds=0.05, max_tokens=3)
+
+
 def test_draft_gate_follows_the_load():
     """The same confident drafts pay at batch 1 and stop paying when every extra verified token costs as much as a
     row's step (a compute-bound batch), with the draft pass costing a fifth of a step."""

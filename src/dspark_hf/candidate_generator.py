@@ -12,7 +12,7 @@ Each round of `generate()` (batch size 1):
            (confidence threshold or Algorithm 1) says verification no longer pays;
   verify / accept / commit / crop: done by transformers' loop, against the processed biased draft logits we return,
            so greedy output is token-identical and sampling is exact rejection sampling. Between a draft and its
-           verify a CPU float32 LM head computes its few rows the fast way (`verify_head`).
+           verify the target's CPU float32 linears compute their few rows the fast way (`verify_head`).
 """
 
 import time
@@ -59,8 +59,9 @@ class DrafterCandidateGenerator(CandidateGenerator):
         self.lm_head = target.get_output_embeddings()
         if self.lm_head is None:
             raise ValueError(f"{type(target).__name__} has no output embeddings (LM head) for the drafter to borrow.")
-        attach(self.lm_head)  # a CPU float32 head verifies a few rows faster (verify_head.py)
-        set_verifying(self.lm_head, False)  # on only between a draft and its verify (a failed call may have left it)
+        self.target = target
+        attach(target)  # CPU float32 linears verify a few rows faster (verify_head.py)
+        set_verifying(target, False)  # on only between a draft and its verify (a failed call may have left it on)
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
@@ -144,7 +145,7 @@ class DrafterCandidateGenerator(CandidateGenerator):
         self.pending = (cur_len, n, draft.survival)
         if n == 0:
             return input_ids, None
-        set_verifying(self.lm_head, True)  # the target's next forward verifies these drafts
+        set_verifying(self.target, True)  # the target's next forward verifies these drafts
         return candidate_ids[:, : cur_len + n], draft.logits[:, :n].float()
 
     def draft(self, input_ids, context, model_kwargs, budget: int) -> "DSparkBlockDraft":
@@ -180,7 +181,7 @@ class DrafterCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         """Bookkeeping after the target's verify pass: acceptance statistics."""
-        set_verifying(self.lm_head, False)
+        set_verifying(self.target, False)
         self.stats.num_new_tokens = input_ids.shape[1] - self.stats.num_prompt_tokens
         if self.pending is None:
             return  # the prefill: not a verify step

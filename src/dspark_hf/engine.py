@@ -135,8 +135,7 @@ class Engine:
         # transformers 5.24 renamed `past_key_values` to `cache`; remote-code models may keep the old name
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keeps_logits = "logits_to_keep" in params
-        self.verify_head = target.get_output_embeddings()
-        attach(self.verify_head)  # a CPU float32 head computes a step's few rows faster (verify_head.py)
+        attach(target)  # CPU float32 linears compute a step's few rows faster (verify_head.py)
         self.policy = self._setup_drafter(drafter, tokenizer, verify_policy, sps)
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.gate = DraftGate(self.sps, draft_seconds) if self._check_gate(gate_drafts, draft_seconds) else None
@@ -518,7 +517,7 @@ class Engine:
         slots = torch.arange(width, device=self.device)
         position_ids = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None] + slots
         mask = self.target_cache.attention_mask(slots[None] <= lengths[:, None])  # (B, T + W)
-        with verifying(self.verify_head):
+        with verifying(self.target):
             out = self.target(
                 input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
                 output_hidden_states=self.taps, **{self.cache_arg: self.target_cache.cache},

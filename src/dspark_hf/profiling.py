@@ -146,8 +146,7 @@ def profile_target(
     # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns); older model code keeps the old one
     cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
-    head = target.get_output_embeddings()
-    fast_head = attach(head)  # verify passes use the few-rows LM head where it applies (verify_head.py)
+    attached = attach(target) > 0  # verify passes use the few-rows products where they apply (verify_head.py)
 
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
@@ -166,7 +165,7 @@ def profile_target(
                     ids = random_ids(b, k)
                     _sync(device)
                     start = time.perf_counter()
-                    with verifying(head):
+                    with verifying(target):
                         target(input_ids=ids, use_cache=True, **{cache_arg: cache})
                     _sync(device)
                     elapsed = time.perf_counter() - start
@@ -187,7 +186,7 @@ def profile_target(
         "device": _device_name(device),
         "dtype": _dtype_name(dtype),
         "torch_threads": torch.get_num_threads(),
-        "verify_head": fast_head and verify_head.ENABLED,  # verifies timed with the few-rows LM head
+        "verify_head": verify_head.VERSION if attached and verify_head.ENABLED else 0,  # few-rows products used
         "target": fingerprint,
         "context_len": context_len,
         "warmup": warmup,
@@ -335,11 +334,13 @@ def _profile_mismatch(profile: dict, target, min_tokens: int | None = None) -> s
     stored = {field: profile["target"].get(field) for field in _FINGERPRINT_FIELDS}
     if stored != fingerprint:
         return f"profiled for target {stored}, this target is {fingerprint}"
-    uses_head = verify_head.ENABLED and verify_head.eligible(target.get_output_embeddings())
-    if bool(profile.get("verify_head", False)) != uses_head:  # profiles before 2026-12-04 have no such field
+    uses = verify_head.VERSION if verify_head.ENABLED and verify_head.eligible(target) else 0
+    timed = profile.get("verify_head") or 0  # profiles before 2026-12-04 have no such field; `true` meant 1
+    timed = int(timed) if isinstance(timed, (bool, int)) else -1
+    if timed != uses:
         return (
-            f"timed verifies {'without' if uses_head else 'with'} the few-rows LM head, which this target's verifies "
-            f"{'use' if uses_head else 'do not use'} (dspark_hf.verify_head)"
+            f"timed verifies with few-rows products of version {timed}; this target's verifies use version {uses} "
+            "(dspark_hf.verify_head; 0: none)"
         )
     largest = max(sps_table(profile))
     if min_tokens is not None and largest < min_tokens:

@@ -157,11 +157,13 @@ def drafting_pays(
     also pays `draft_seconds` for the draft, SPS'(B) = 1 / (draft_seconds + 1 / SPS(B)), using `predicted[r][k]`
     (request r's expected conditional acceptance at draft position k+1, e.g. its last round's confidences).
     The decision uses nothing of this round's drafts, so skipping a draft (a plain step) stays lossless.
-    `max_tokens` prices verifies padded to their cheapest width, as in `prefix_schedule`.
+    `max_tokens` prices verifies padded to their cheapest width, as in `prefix_schedule`; the plain step itself is
+    priced at its own width R, since it has no drafts to pad with.
     """
     if draft_seconds < 0:
         raise ValueError(f"`draft_seconds` must be >= 0, got {draft_seconds}.")
-    lookup = SPSCurve.of(sps).lookup(max_tokens)
+    curve = SPSCurve.of(sps)
+    lookup = curve.lookup(max_tokens)
     n_requests = len(predicted)
 
     def with_draft(b: int) -> float:
@@ -169,7 +171,8 @@ def drafting_pays(
 
     lengths = prefix_schedule(predicted, with_draft)  # `lookup` is padded already
     expected = n_requests + sum(sum(itertools.accumulate(c[:n], operator.mul)) for c, n in zip(predicted, lengths))
-    return expected * with_draft(n_requests + sum(lengths)) > n_requests * lookup(n_requests)
+    # a plain step has no drafts to pad its verify with: it runs at its own width
+    return expected * with_draft(n_requests + sum(lengths)) > n_requests * curve(n_requests)
 
 
 class DraftGate:

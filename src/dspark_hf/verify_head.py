@@ -1,20 +1,24 @@
-"""The target's LM head in verify passes: a faster product for a few rows of float32 on the CPU.
+"""The target's linear layers in verify passes: a faster product for a few rows of float32 on the CPU.
 
-A verify pass runs the target on the anchor and its k drafts, so the LM head multiplies k + 1 rows by a
-vocabulary-sized weight. On the CPU, torch's float32 `linear` (MKL) is slow for exactly that shape. On this 2-core
-CPU, SmolLM2's head (49,152 × 576) takes 21–49 ms for 2–8 rows. The same product written as (W xᵀ)ᵀ takes 6–7 ms,
-and one row costs 12 ms either way. A whole 4-token verify forward drops from 111 ms to 54 ms (one token: 60–80 ms).
+A verify pass runs the target on the anchor and its k drafts, so every linear layer multiplies k + 1 rows by its
+weight. On the CPU, torch's float32 `linear` (MKL) is slow for exactly those shapes, and the same product written as
+(W xᵀ)ᵀ is not. On this 2-core CPU:
+- SmolLM2's LM head (49,152 × 576) takes 17–34 ms for 2–8 rows with `linear`, and 5–12 ms written as (W xᵀ)ᵀ.
+- The 30 layers' projections are slow with 2–5 rows as well.
+- With both, a 2–4-token verify forward costs 53–74 ms against 90–110 ms. Above 5 rows the projections gain
+  nothing (on 1 thread they lose).
+- One row costs the same either way (69 ms per token), so plain decoding has nothing to gain.
 See docs/results.md, "The verify LM head".
 
-Plain decoding (one row) never meets those shapes; every speculative round does. bf16 and GPU heads do not have
-the problem, and are left alone.
+bf16 linears (oneDNN) and GPU linears do not have the problem, and are left alone.
 
-`attach(lm_head)` turns an `nn.Linear` head into a `VerifyLinear`. While its `verifying` flag is set (`with
-verifying(lm_head):`, or the candidate generator between a draft and its verify), it computes `MIN_ROWS..MAX_ROWS`
-rows with `utils.linear_few_rows`, the product the drafter already uses for its block logits. Otherwise it is
-`nn.Linear.forward`, so the target behaves as before outside the verify passes of this package. The two products
-agree to float rounding (the summation order differs, as it already does between any two batch sizes). Set
-`ENABLED = False` to turn it off.
+`attach(model)` turns the model's plain float32 CPU `nn.Linear`s into `VerifyLinear`s. While the model's verify flag
+is on (`with verifying(model):`, or the candidate generator between a draft and its verify), they compute
+`MIN_ROWS..max_rows` rows with `utils.linear_few_rows`, the product the drafter already uses for its block logits.
+`max_rows` is `MAX_ROWS_HEAD` for the LM head and `MAX_ROWS` for the other linears. Otherwise they run
+`nn.Linear.forward`, so the model behaves as before outside this package's verify passes. The two products agree to
+float rounding (the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False`
+to turn it off.
 """
 
 import contextlib
@@ -26,62 +30,79 @@ from .utils import linear_few_rows
 
 
 ENABLED = True
-MIN_ROWS, MAX_ROWS = 2, 8  # measured: 2.5–8x faster at 2–8 rows on 2 threads, no gain beyond 8 on 1 thread
+VERSION = 2  # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear
+MIN_ROWS = 2
+MAX_ROWS_HEAD = 8  # measured: 2.5–8x faster at 2–8 rows on 2 threads, no gain beyond 8 on 1 thread
+MAX_ROWS = 5  # the layers' projections: faster at 2–5 rows on 1 and 2 threads, slower from 6 on 1 thread
+_STATE = "_dspark_verify_state"  # on an attached model: {"on": bool}, shared with its VerifyLinears
 
 
 class VerifyLinear(nn.Linear):
-    """An `nn.Linear` LM head that, while `verifying` is set, computes a few rows with `utils.linear_few_rows`.
+    """An `nn.Linear` that, while its model's verify flag is on, computes a few rows with `utils.linear_few_rows`.
 
-    `attach` turns a head into one in place (its class changes; its parameters, hooks and tying stay as they are).
+    `attach` turns a model's linears into these in place (the class changes; parameters, hooks and tying stay).
     """
 
-    verifying = False
+    verify_state = {"on": False}  # replaced by the model's shared flag in `attach`
+    max_rows = MAX_ROWS
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.verifying and ENABLED and MIN_ROWS <= hidden.numel() // max(hidden.shape[-1], 1) <= MAX_ROWS:
-            return linear_few_rows(hidden, self.weight, self.bias)
+        if self.verify_state["on"] and ENABLED:
+            rows = hidden.numel() // max(hidden.shape[-1], 1)
+            if MIN_ROWS <= rows <= self.max_rows:
+                return linear_few_rows(hidden, self.weight, self.bias)
         return super().forward(hidden)
 
 
-def attach(lm_head) -> bool:
-    """Make `lm_head` a `VerifyLinear` if it can use it: a plain `nn.Linear`, float32, on the CPU, without
-    accelerate hooks. Idempotent; returns whether the head is one."""
-    if isinstance(lm_head, VerifyLinear):
-        return True
-    if eligible(lm_head):
-        lm_head.__class__ = VerifyLinear
-        return True
-    return False
-
-
-def eligible(lm_head) -> bool:
-    """Whether `attach` takes this head (or has already)."""
-    return isinstance(lm_head, VerifyLinear) or (
-        type(lm_head) is nn.Linear
-        and lm_head.weight.device.type == "cpu"
-        and lm_head.weight.dtype == torch.float32
-        and not hasattr(lm_head, "_hf_hook")
-        and "forward" not in vars(lm_head)  # someone replaced its forward already: leave it alone
+def _eligible(module) -> bool:
+    return (
+        type(module) is nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+        and not hasattr(module, "_hf_hook")
+        and "forward" not in vars(module)  # someone replaced its forward already: leave it alone
     )
 
 
-def set_verifying(lm_head, active: bool) -> None:
-    """Switch an attached head's fast product on (for the next verify pass) or off; other heads are left alone."""
-    if isinstance(lm_head, VerifyLinear):
-        lm_head.verifying = bool(active)
+def eligible(model) -> bool:
+    """Whether `attach` takes any of the model's linears (or has already)."""
+    return hasattr(model, _STATE) or any(_eligible(m) for m in model.modules())
+
+
+def attach(model) -> int:
+    """Make the model's plain float32 CPU `nn.Linear`s `VerifyLinear`s (accelerate-hooked, replaced or other-typed
+    linears are left alone). Idempotent; returns how many of its linears are `VerifyLinear`s."""
+    state = vars(model).setdefault(_STATE, {"on": False})
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    count = 0
+    for module in model.modules():
+        if _eligible(module):
+            module.__class__ = VerifyLinear
+            module.verify_state = state
+            module.max_rows = MAX_ROWS_HEAD if module is head else MAX_ROWS
+        count += isinstance(module, VerifyLinear)
+    return count
+
+
+def set_verifying(model, active: bool) -> None:
+    """Switch the attached model's few-rows products on (for the next verify pass) or off; no-op if not attached."""
+    state = getattr(model, _STATE, None)
+    if state is not None:
+        state["on"] = bool(active)
 
 
 @contextlib.contextmanager
-def verifying(lm_head):
-    """Within the block, an attached head computes few rows the fast way; any other head is untouched."""
-    if not isinstance(lm_head, VerifyLinear):
+def verifying(model):
+    """Within the block, an attached model computes few rows the fast way; any other model is untouched."""
+    state = getattr(model, _STATE, None)
+    if state is None:
         yield
         return
-    previous, lm_head.verifying = lm_head.verifying, True
+    previous, state["on"] = state["on"], True
     try:
         yield
     finally:
-        lm_head.verifying = previous
+        state["on"] = previous
 
 
 __all__ = ["VerifyLinear", "attach", "eligible", "set_verifying", "verifying"]
