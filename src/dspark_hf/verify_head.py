@@ -7,8 +7,10 @@ weight. On the CPU, torch's float32 `linear` (MKL) is slow for exactly those sha
 - The 30 layers' projections are slow with 2–5 rows as well.
 - With both, a 2–4-token verify forward costs 53–74 ms against 90–110 ms. Above 5 rows the projections gain
   nothing (on 1 thread they lose).
-- One row costs the same either way (69 ms per token), so plain decoding has nothing to gain.
-See docs/results.md, "The verify LM head".
+- One row costs the same either way (62–69 ms per token): this is not how plain decoding gets faster. A plain
+  decoder that ran each step as two rows would (`examples/time_padded_plain.py`: 1.56x), so part of a speedup over
+  plain `generate()` on such a CPU is this effect, not speculation.
+See docs/results.md, "The verify LM head" and "Every linear, and a kernel-neutral baseline".
 
 bf16 linears (oneDNN) and GPU linears do not have the problem, and are left alone.
 
