@@ -23,9 +23,8 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from . import verify_head
 from .scheduler import SPS
-from .verify_head import attach, verifying
+from .verify_head import attach, verifying, version
 
 
 logger = logging.get_logger(__name__)
@@ -146,7 +145,7 @@ def profile_target(
     # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns); older model code keeps the old one
     cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
-    attached = attach(target) > 0  # verify passes use the few-rows products where they apply (verify_head.py)
+    attach(target)  # verify passes use the few-rows products where they apply (verify_head.py)
 
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
@@ -186,7 +185,7 @@ def profile_target(
         "device": _device_name(device),
         "dtype": _dtype_name(dtype),
         "torch_threads": torch.get_num_threads(),
-        "verify_head": verify_head.VERSION if attached and verify_head.ENABLED else 0,  # few-rows products used
+        "verify_head": version(target),  # the few-rows products the verifies ran with (0: none)
         "target": fingerprint,
         "context_len": context_len,
         "warmup": warmup,
@@ -334,7 +333,7 @@ def _profile_mismatch(profile: dict, target, min_tokens: int | None = None) -> s
     stored = {field: profile["target"].get(field) for field in _FINGERPRINT_FIELDS}
     if stored != fingerprint:
         return f"profiled for target {stored}, this target is {fingerprint}"
-    uses = verify_head.VERSION if verify_head.ENABLED and verify_head.eligible(target) else 0
+    uses = version(target)
     timed = profile.get("verify_head") or 0  # profiles before 2026-12-04 have no such field; `true` meant 1
     timed = int(timed) if isinstance(timed, (bool, int)) else -1
     if timed != uses:

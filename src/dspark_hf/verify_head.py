@@ -71,6 +71,12 @@ def eligible(model) -> bool:
     return hasattr(model, _STATE) or any(_eligible(m) for m in model.modules())
 
 
+def version(model) -> int:
+    """The few-rows version this model's verifies run with (`VERSION`, or 0 when none applies); SPS profiles
+    record it."""
+    return VERSION if ENABLED and eligible(model) else 0
+
+
 def attach(model) -> int:
     """Make the model's plain float32 CPU `nn.Linear`s `VerifyLinear`s (accelerate-hooked, replaced or other-typed
     linears are left alone). Idempotent; returns how many of its linears are `VerifyLinear`s."""
@@ -107,4 +113,4 @@ def verifying(model):
         state["on"] = previous
 
 
-__all__ = ["VerifyLinear", "attach", "eligible", "set_verifying", "verifying"]
+__all__ = ["VerifyLinear", "attach", "eligible", "set_verifying", "verifying", "version"]
