@@ -4,23 +4,23 @@
 
 On a 2-core CPU, torch's one-row product (MKL's matrix-vector path) barely uses the second core, while a 2-row
 product written as (W xᵀ)ᵀ uses both (`dspark_hf.verify_head`). So a 2-token verify forward can cost less than a
-1-token plain step. This script decodes greedily in two ways, alternating on the same prompts:
-- plain: one row per step, exactly as `generate()` runs it;
-- padded: each step feeds the new token plus one junk token, with the few-rows products on, reads the first row's
-  logits and crops the junk position from the cache again.
+1-token plain step. This script decodes greedily with `generate()` in two ways, alternating on the same prompts:
+- plain: one row per step, as `generate()` runs it;
+- padded: inside `verify_head.padded_steps(target)`, each step feeds the new token plus a junk copy with the
+  few-rows products on, keeps the first row's logits and crops the junk position from the cache again.
 The two produce the same tokens (the script checks). A drafter's speedup over "padded" is what speculation itself
-buys on this machine.
+buys on this machine; `dspark-hf bench` reports it as `speedup_vs_padded`.
 """
 
+import contextlib
 import statistics
 import sys
 import time
 
 import torch
-from transformers import DynamicCache
 
 from dspark_hf import verify_head
-from dspark_hf.bench import encode
+from dspark_hf.bench import encode, timed_generate
 from dspark_hf.default import load_default_target
 
 
@@ -31,28 +31,15 @@ PROMPTS = [
 ]
 
 
-@torch.no_grad()
 def decode(target, ids: torch.Tensor, new_tokens: int, padded: bool) -> list[int]:
-    """Greedy decoding, one token a step; `padded` runs each step as a 2-row forward."""
-    cache = DynamicCache(config=target.config)
-    logits = target(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
-    out = []
-    for _ in range(new_tokens):
-        token = logits.argmax(-1, keepdim=True)  # (1, 1)
-        out.append(int(token))
-        if padded:
-            with verify_head.verifying(target):
-                logits = target(input_ids=torch.cat([token, token], dim=1), cache=cache, use_cache=True).logits[:, 0]
-            cache.crop(-1)  # forget the junk position
-        else:
-            logits = target(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
-    return out
+    """Greedy decoding of `new_tokens`; `padded` runs each step as a 2-row forward."""
+    with verify_head.padded_steps(target) if padded else contextlib.nullcontext():
+        return timed_generate(target, ids, new_tokens, min_new_tokens=new_tokens)[0].tolist()
 
 
 def main() -> None:
     new_tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 64
     target, tokenizer = load_default_target()
-    verify_head.attach(target)
     times = {False: [], True: []}
     for text in PROMPTS:
         ids = encode(tokenizer, {"messages": [{"role": "user", "content": text}]})

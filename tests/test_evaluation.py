@@ -57,10 +57,18 @@ def test_cli_json_structure(cli_run):
     keys = {(r["dataset"], r["drafter"], r["temperature"]) for r in result["runs"]}
     assert keys == {(d, m, t) for d in ("a", "bee") for m in ("dspark", "llama") for t in (0.0, 1.0)}
     assert len(result["baselines"]) == 4
+    assert result["padded_baseline"] is True  # a float32 CPU target: the kernel-neutral baseline runs by default
+    for baseline in result["baselines"]:
+        assert baseline["tokens_per_second_padded"] > 0 and all(
+            p["seconds_padded"] > 0 for p in baseline["per_prompt"]
+        )
+        assert baseline["padded_identical"] is (True if baseline["temperature"] == 0 else None)
     for run in result["runs"]:
         assert run["num_prompts"] == 2 and len(run["per_prompt"]) == 2
         assert run["tokens_per_second"] > 0 and run["tokens_per_second_plain"] > 0 and run["speedup"] > 0
         assert run["draft_ms_per_round"] > 0 and 0 < run["draft_fraction"] < 1
+        padded = run["tokens_per_second_padded"]
+        assert run["speedup_vs_padded"] == pytest.approx(run["tokens_per_second"] / padded)
         if run["temperature"] == 0:
             assert run["all_identical"] is True and all(p["identical"] for p in run["per_prompt"])
             assert all(p["new_tokens"] == 10 for p in run["per_prompt"])  # no EOS in the tiny models
@@ -99,6 +107,8 @@ def test_plots_and_summary(cli_run, capsys):
     rows = [line.split() for line in table.splitlines()]
     assert ["bee", "llama", "1", "2", "-"] in [row[:5] for row in rows]  # no identity check when sampling
     assert ["a", "dspark", "0", "2", "2/2"] in [row[:5] for row in rows] and "MISMATCH" not in table
+    assert table.splitlines()[0].endswith("speedup  vs padded")
+    assert "padded plain (2-row steps, no drafts)  bee / T=0: " in table and "same tokens as plain: True" in table
 
 
 def test_results_feed_the_model_card(cli_run, tmp_path):
@@ -109,7 +119,12 @@ def test_results_feed_the_model_card(cli_run, tmp_path):
     assert set(runs) == {"a", "bee"} and all(r["temperature"] == 0 for r in runs.values())
     config = make_drafter(make_target()).config
     card = model_card(config, results=runs)
-    assert f"| bee | 2 | {runs['bee']['acceptance_length']:.2f} |" in card
+    bee = runs["bee"]
+    assert (
+        f"| bee | 2 | {bee['acceptance_length']:.2f} | {bee['speedup']:.2f}x | {bee['speedup_vs_padded']:.2f}x |"
+        in card
+    )
+    assert "vs padded plain" in card
 
 
 def test_oracle_drafter_accepts_every_position():
@@ -123,6 +138,22 @@ def test_oracle_drafter_accepts_every_position():
     (run,) = result["runs"]
     assert run["all_identical"] and run["per_position_acceptance"] == [1.0] * 4
     assert run["acceptance_length"] == 5.0 and run["acceptance_length_by_draft_length"] == [2.0, 3.0, 4.0, 5.0]
+
+
+def test_padded_baseline_switch():
+    """Off on request, off by default where verifies use no few-rows product (bf16), and its label is reserved."""
+    tok, records = char_tokenizer(99), [{"prompt": "pad"}]
+    target = make_target()
+    drafter = make_drafter(target)
+    for model, padded in ((target, False), (make_target().to(torch.bfloat16), None)):
+        result = run_evaluation(model, tok, {"d": make_drafter(model)}, {"x": records}, 6, padded_baseline=padded,
+                                progress=False)  # fmt: skip
+        (run,), (baseline,) = result["runs"], result["baselines"]
+        assert result["padded_baseline"] is False and run["speedup_vs_padded"] is None
+        assert baseline["tokens_per_second_padded"] is None and "seconds_padded" not in baseline["per_prompt"][0]
+        assert format_evaluation(result).splitlines()[1].split()[-2:] == [f"{run['speedup']:.2f}x", "-"]
+    with pytest.raises(ValueError, match="reserved|labels the padded"):
+        run_evaluation(target, tok, {evaluation.PADDED: drafter}, {"x": records}, 6, progress=False)
 
 
 def test_identity_check_reports_an_injected_mismatch(monkeypatch):

@@ -3,13 +3,14 @@
 import copy
 import pickle
 
+import pytest
 import torch
 from torch import nn
 
 from conftest import make_drafter, make_target
 from dspark_hf import verify_head
 from dspark_hf.engine import Engine
-from dspark_hf.verify_head import VerifyLinear, attach, eligible, set_verifying, verifying
+from dspark_hf.verify_head import VerifyLinear, attach, eligible, padded_steps, set_verifying, verifying
 
 
 def count_calls(monkeypatch) -> list[tuple[int, int]]:
@@ -122,3 +123,46 @@ def test_drafter_still_multiplies_an_attached_head_itself():
     attach(target)
     logits = drafter.draft_base_logits(torch.randn(1, 4, 32), target.get_output_embeddings())
     assert torch.isinf(logits[..., 1::2]).all() and torch.isfinite(logits[..., 0::2]).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_padded_steps_decode_plainly_with_two_rows(monkeypatch, family):
+    """The kernel-neutral baseline: each decoding step runs as two rows (few-rows products on), the junk row is cropped
+    again, and the tokens are plain decoding's: greedy, a left-padded batch, and seeded sampling."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"qwen3": dict(config_cls=Qwen3Config, model_cls=Qwen3ForCausalLM)}.get(family, {})
+    target = make_target(**classes)
+    ids = torch.randint(0, 99, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in the second row
+    widths = []
+    target.model.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    torch.manual_seed(3)
+    sampled = target.generate(ids[:1], do_sample=True, max_new_tokens=12)
+    assert widths == [7] + [1] * 11 + [7] + [1] * 11
+    widths.clear()
+    calls = count_calls(monkeypatch)
+    with padded_steps(target):
+        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+        assert widths == [7] + [2] * 11  # prefill, then every step with its junk copy
+        torch.manual_seed(3)
+        assert torch.equal(target.generate(ids[:1], do_sample=True, max_new_tokens=12), sampled)
+    assert torch.equal(out, plain)
+    step_rows = {rows for _, rows in calls}
+    assert step_rows == {4, 2} and len(calls) == 22 * (1 + 4 * 7)  # batch 2 x 2 rows, then 1 x 2; every linear
+    calls.clear(), widths.clear()
+    assert torch.equal(target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12), plain)
+    assert calls == [] and widths == [7] + [1] * 11  # the hooks are gone
+    assert not target.lm_head.verify_state["on"]
+
+
+def test_padded_steps_reject_a_4d_mask():
+    target = make_target()
+    ids = torch.randint(0, 99, (1, 5))
+    with padded_steps(target):
+        out = target(input_ids=ids, use_cache=True)
+        with pytest.raises(ValueError, match="2-D attention mask"):
+            target(input_ids=ids[:, :1], cache=out.past_key_values, attention_mask=torch.ones(1, 1, 1, 6))
+    assert not target.lm_head.verify_state["on"]

@@ -119,6 +119,7 @@ def cmd_bench(args) -> int:
         seed=args.seed,
         latency_lengths=lengths,
         latency_new_tokens=args.latency_new_tokens,
+        padded_baseline=args.padded_baseline,
     )
     result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
     for name, path in files.items():
@@ -449,6 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency-lengths", default="1,2,4,6,8,12,16", help="draft lengths for the latency sweep, e.g. 1-16 ('' off)"
     )
     bench.add_argument("--latency-new-tokens", type=int, default=48, help="tokens decoded per latency-sweep length")
+    bench.add_argument(
+        "--padded-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time plain decoding with 2-row steps, the kernel-neutral baseline (speedup_vs_padded); default: "
+        "on where the target's verifies use the few-rows products (float32 on the CPU)",
+    )
     bench.add_argument("--out", help="folder for evaluation.json and the PNG plots")
     bench.add_argument("--json", help="write the full result JSON here")
     add_models(bench, many_drafters=True)

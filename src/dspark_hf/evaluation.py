@@ -7,6 +7,11 @@ fills one (this package's drafters do), else from the rounds `generation.record_
 each round's drafting. At T = 0 every output must equal plain greedy's, token for token; at T > 0 (sampling with a
 fixed seed per prompt) losslessness is distributional, so only speed and acceptance are reported.
 
+The kernel-neutral baseline: on a CPU whose float32 one-row products are slow next to few-row ones (see
+`verify_head`), part of any speedup over plain decoding is the kernel, not speculation. Where the target's verifies
+use the few-rows products, each prompt is also decoded plainly with every step padded to two rows
+(`verify_head.padded_steps`), and every run reports `speedup_vs_padded` beside `speedup`: what speculation itself buys.
+
 Draft latency against block length: each drafter proposes exactly L drafts per round (`fixed_draft_length`) on one
 prompt for every L, timed in real decoding rounds the same way for all: an autoregressive drafter pays one forward
 per draft, a DSpark drafter one block pass plus its sequential head. Drafters without such a setting fall back to
@@ -23,12 +28,15 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from . import verify_head
 from .bench import encode, timed_generate
 from .generation import record_draft_rounds
 from .stats import DSparkGenerationStats
 
 
 logger = logging.get_logger(__name__)
+
+PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain decoding, 2-row steps)
 
 
 def generation_kwargs(temperature: float) -> dict:
@@ -50,13 +58,15 @@ def stats_from_rounds(rounds) -> DSparkGenerationStats:
     return stats
 
 
-def _decode(target, ids, max_new_tokens, assistant, temperature, seed):
-    """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds)."""
+def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False):
+    """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds); `padded`: plain
+    decoding with 2-row steps (`verify_head.padded_steps`)."""
     if temperature:
         torch.manual_seed(seed)
     if hasattr(assistant, "generation_stats"):
         assistant.generation_stats = None  # never read the previous call's
-    with record_draft_rounds() as rounds:
+    steps = verify_head.padded_steps(target) if padded else contextlib.nullcontext()
+    with record_draft_rounds() as rounds, steps:
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **generation_kwargs(temperature))
     stats = None
     if assistant is not None:
@@ -78,12 +88,17 @@ def _mismatch(index: int, plain: torch.Tensor, other: torch.Tensor) -> dict:
     return {"index": index, "first_difference": first, "plain_new_tokens": plain.numel(), "new_tokens": other.numel()}
 
 
-def _run_entry(dataset, temperature, label, prompts, decoded, plain) -> dict:
-    """Everything measured for one dataset × temperature × drafter."""
+def _rate(decoded) -> float:
+    """Tokens per second over a list of `_decode` results (0 when none)."""
+    seconds = sum(d[1] for d in decoded)
+    return sum(d[0].numel() for d in decoded) / seconds if seconds else 0.0
+
+
+def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None) -> dict:
+    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes."""
     stats = [s for _, _, s, _ in decoded]
     pooled = _pool(stats)
     seconds, tokens = sum(d[1] for d in decoded), sum(d[0].numel() for d in decoded)
-    plain_seconds, plain_tokens = sum(d[1] for d in plain), sum(d[0].numel() for d in plain)
     draft_ms = [1e3 * r.seconds for d in decoded for r in d[3] if not r.first]
     per_prompt, mismatches = [], []
     for i, ((out, secs, s, rounds), ref, ids) in enumerate(zip(decoded, plain, prompts)):
@@ -110,8 +125,8 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain) -> dict:
             }
         )
     reached, accepted = pooled.position_counts()
-    tps = tokens / seconds if seconds else 0.0
-    plain_tps = plain_tokens / plain_seconds if plain_seconds else 0.0
+    tps, plain_tps = _rate(decoded), _rate(plain)
+    padded_tps = _rate(padded) if padded else None
     return {
         "dataset": dataset,
         "temperature": temperature,
@@ -132,6 +147,8 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain) -> dict:
         "tokens_per_second": tps,
         "tokens_per_second_plain": plain_tps,
         "speedup": tps / plain_tps if plain_tps else 0.0,
+        "tokens_per_second_padded": padded_tps,
+        "speedup_vs_padded": tps / padded_tps if padded_tps else None,
         "draft_ms_per_round": statistics.fmean(draft_ms) if draft_ms else None,
         "draft_ms_per_round_median": statistics.median(draft_ms) if draft_ms else None,
         "draft_fraction": sum(draft_ms) / 1e3 / seconds if seconds else 0.0,
@@ -139,19 +156,32 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain) -> dict:
     }
 
 
-def _baseline_entry(dataset, temperature, prompts, plain) -> dict:
-    seconds, tokens = sum(d[1] for d in plain), sum(d[0].numel() for d in plain)
+def _baseline_entry(dataset, temperature, prompts, plain, padded=None) -> dict:
+    """Plain decoding on one dataset × temperature, and the padded (kernel-neutral) baseline where it ran.
+
+    `padded_identical` (T = 0): whether 2-row steps gave plain greedy's tokens; the products agree to float rounding,
+    so a difference is possible in principle but makes only the timing less comparable, never a drafter's output.
+    """
+    per_prompt = [
+        {"index": i, "prompt_tokens": ids.shape[1], "new_tokens": out.numel(), "seconds": secs}
+        for i, ((out, secs, _, _), ids) in enumerate(zip(plain, prompts))
+    ]
+    padded_identical = None
+    if padded:
+        for row, (_, secs, _, _) in zip(per_prompt, padded):
+            row["seconds_padded"] = secs
+        if temperature == 0:
+            padded_identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, padded))
     return {
         "dataset": dataset,
         "temperature": temperature,
         "num_prompts": len(plain),
-        "new_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds else 0.0,
-        "per_prompt": [
-            {"index": i, "prompt_tokens": ids.shape[1], "new_tokens": out.numel(), "seconds": secs}
-            for i, ((out, secs, _, _), ids) in enumerate(zip(plain, prompts))
-        ],
+        "new_tokens": sum(d[0].numel() for d in plain),
+        "seconds": sum(d[1] for d in plain),
+        "tokens_per_second": _rate(plain),
+        "tokens_per_second_padded": _rate(padded) if padded else None,
+        "padded_identical": padded_identical,
+        "per_prompt": per_prompt,
     }
 
 
@@ -257,12 +287,15 @@ def run_evaluation(
     latency_lengths=(),
     latency_new_tokens: int = 48,
     progress: bool = True,
+    padded_baseline: bool | None = None,
 ) -> dict:
     """Plain decoding vs every drafter on every dataset at every temperature, plus the draft-latency sweep.
 
-    drafters: {label: assistant model}; datasets: {name: prompt records (see `bench.read_prompts`)}. Returns a
-    JSON-ready dict: `runs` (one entry per dataset × temperature × drafter, see `_run_entry`), `baselines` (plain
-    decoding per dataset × temperature), `latency` ({label: `measure_latency`}) and `all_identical` (T = 0 runs).
+    drafters: {label: assistant model}; datasets: {name: prompt records (see `bench.read_prompts`)};
+    padded_baseline: also decode plainly with 2-row steps (see the module docstring); None: where the target's verifies
+    use the few-rows products (`verify_head.version(target) > 0`). Returns a JSON-ready dict: `runs` (one entry per
+    dataset × temperature × drafter, see `_run_entry`), `baselines` (plain decoding per dataset × temperature),
+    `latency` ({label: `measure_latency`}), `padded_baseline` and `all_identical` (T = 0 runs).
     """
     if not drafters:
         raise ValueError("run_evaluation needs at least one drafter: {label: assistant model}.")
@@ -271,11 +304,18 @@ def run_evaluation(
     temperatures = [float(t) for t in temperatures]
     if any(t < 0 for t in temperatures):
         raise ValueError(f"Temperatures must be >= 0 (0 = greedy), got {temperatures}.")
+    if PADDED in drafters:
+        raise ValueError(f"{PADDED!r} labels the padded plain baseline; give that drafter another label.")
+    if padded_baseline is None:
+        padded_baseline = verify_head.version(target) > 0
     encoded = {name: [encode(tokenizer, r) for r in records] for name, records in datasets.items()}
     first = next(iter(encoded.values()))[0]
     for assistant in (None, *drafters.values()):  # warm-up of every path
         timed_generate(target, first, 4, assistant)
     modes = [None, *drafters]  # None: plain decoding
+    if padded_baseline:
+        _decode(target, first, 4, None, 0.0, 0, padded=True)
+        modes.insert(1, PADDED)
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
     for name, prompts in encoded.items():
         for temperature in temperatures:
@@ -284,12 +324,14 @@ def run_evaluation(
             for i, ids in enumerate(bar):
                 shift = i % len(modes)
                 for mode in modes[shift:] + modes[:shift]:
-                    assistant = None if mode is None else drafters[mode]
-                    decoded[mode].append(_decode(target, ids, max_new_tokens, assistant, temperature, seed + i))
+                    assistant = drafters.get(mode)  # None for both plain modes
+                    run = _decode(target, ids, max_new_tokens, assistant, temperature, seed + i, mode == PADDED)
+                    decoded[mode].append(run)
                 bar.set_postfix({label: f"τ {decoded[label][-1][2].acceptance_length:.2f}" for label in drafters})
-            baselines.append(_baseline_entry(name, temperature, prompts, decoded[None]))
+            padded = decoded.get(PADDED)
+            baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded))
             for label in drafters:
-                runs.append(_run_entry(name, temperature, label, prompts, decoded[label], decoded[None]))
+                runs.append(_run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded))
                 if temperature == 0:
                     greedy_rounds[label] += [d[3] for d in decoded[label]]
     latency = {}
@@ -309,6 +351,7 @@ def run_evaluation(
         "drafters": {label: describe_assistant(a) for label, a in drafters.items()},
         "datasets": {name: {"num_prompts": len(p)} for name, p in encoded.items()},
         "all_identical": all(r["all_identical"] for r in greedy) if greedy else None,
+        "padded_baseline": bool(padded_baseline),
         "runs": runs,
         "baselines": baselines,
         "latency": latency,
@@ -327,6 +370,7 @@ SUMMARY_COLUMNS = (
     "tok/s",
     "plain",
     "speedup",
+    "vs padded",
 )
 
 
@@ -353,6 +397,7 @@ def format_evaluation(result: dict) -> str:
                 _fmt(r["tokens_per_second"], ".1f"),
                 _fmt(r["tokens_per_second_plain"], ".1f"),
                 f"{r['speedup']:.2f}x",
+                "-" if r.get("speedup_vs_padded") is None else f"{r['speedup_vs_padded']:.2f}x",
             )
         )
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
@@ -360,6 +405,14 @@ def format_evaluation(result: dict) -> str:
     for r in result["runs"]:
         rates = " ".join(_fmt(x) for x in r["per_position_acceptance"])
         lines.append(f"acceptance by position  {r['dataset']} / {r['drafter']} / T={r['temperature']:g}: {rates}")
+    for b in result.get("baselines", []):
+        if b.get("tokens_per_second_padded") is not None:
+            same = "" if b["padded_identical"] is None else f", same tokens as plain: {b['padded_identical']}"
+            rate = b["tokens_per_second_padded"]
+            lines.append(
+                f"padded plain (2-row steps, no drafts)  {b['dataset']} / T={b['temperature']:g}: {rate:.1f} tok/s "
+                f"= {rate / b['tokens_per_second']:.2f}x of plain{same}"
+            )
     for label, lat in result.get("latency", {}).items():
         cells = ", ".join(
             f"L={n}: {_fmt(d, '.1f')} ({_fmt(w, '.1f')})"

@@ -21,6 +21,11 @@ is on (`with verifying(model):`, or the candidate generator between a draft and 
 `nn.Linear.forward`, so the model behaves as before outside this package's verify passes. The two products agree to
 float rounding (the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False`
 to turn it off.
+
+`padded_steps(model)` is the kernel-neutral baseline that `dspark-hf bench` sets beside plain decoding: within it,
+every one-token decoding step of `generate()` runs as two rows (the token twice, the second copy cropped from the
+cache again) with the few-rows products on. Same tokens, no speculation; a drafter's speedup over it is what
+speculation itself buys on such a CPU.
 """
 
 import contextlib
@@ -113,4 +118,61 @@ def verifying(model):
         state["on"] = previous
 
 
-__all__ = ["VerifyLinear", "attach", "eligible", "set_verifying", "verifying", "version"]
+def _pad_step(model, args, kwargs):
+    """Forward pre-hook of `padded_steps`: a one-token step with a filled cache becomes a two-token one."""
+    input_ids = kwargs.get("input_ids")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if args or input_ids is None or input_ids.shape[-1] != 1 or cache is None or cache.get_seq_length() == 0:
+        return None  # prefill, an embeddings call or a positional call: untouched
+    kwargs["input_ids"] = input_ids.repeat(1, 2)  # (B, 2): the second copy is junk, cropped again after the forward
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.dim() != 2:
+            raise ValueError(
+                f"padded_steps needs a 2-D attention mask (batch, length); got shape {tuple(mask.shape)}."
+            )
+        kwargs["attention_mask"] = torch.cat([mask, mask[:, -1:]], dim=1)
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + 1], dim=-1)
+    if isinstance(kwargs.get("logits_to_keep"), int) and kwargs["logits_to_keep"] > 0:
+        kwargs["logits_to_keep"] = 2
+    model._dspark_padded = True
+    set_verifying(model, True)
+    return args, kwargs
+
+
+def _crop_step(model, args, kwargs, output):
+    """Forward hook of `padded_steps`: drop the junk position from the cache and the logits."""
+    if not vars(model).pop("_dspark_padded", False):
+        return None
+    set_verifying(model, False)
+    kwargs.get("cache", kwargs.get("past_key_values")).crop(-1)
+    output.logits = output.logits[:, :1]  # (B, 1, V): the real token's
+    return output
+
+
+@contextlib.contextmanager
+def padded_steps(model):
+    """Within the block, every one-token decoding step of `model.generate()` (or any keyword call with a filled
+    cache) runs as two rows with the few-rows products on, and returns the first row's logits as a one-token step
+    would: plain decoding at the verify kernel's speed, the kernel-neutral baseline of `dspark-hf bench`.
+
+    The cache must support `crop` (a `DynamicCache`, the default); only `logits` is cut back to one position (hidden
+    states and attentions, if asked for, keep the junk one).
+    """
+    attach(model)
+    handles = [
+        model.register_forward_pre_hook(_pad_step, with_kwargs=True),
+        model.register_forward_hook(_crop_step, with_kwargs=True),
+    ]
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        vars(model).pop("_dspark_padded", None)
+        set_verifying(model, False)
+
+
+__all__ = ["VerifyLinear", "attach", "eligible", "padded_steps", "set_verifying", "verifying", "version"]
