@@ -21,9 +21,11 @@ def pin_drafter(drafter, sequence: torch.Tensor, diverge_at: int | None = None):
 
         def base_logits(h, _lm_head):
             k = h.shape[1]
-            pinned = [tokens[start + j] if start + j < len(tokens) else 0 for j in range(k)]
-            if diverge_at is not None and diverge_at < k:
-                pinned[diverge_at] = (pinned[diverge_at] + 1) % vocab
+            # h is hidden_states[:, o : o + k] (sample_block may ask for the block's positions in two parts)
+            o = next(o for o in range(hidden_states.shape[1]) if torch.equal(hidden_states[:, o : o + k], h))
+            pinned = [tokens[start + o + j] if start + o + j < len(tokens) else 0 for j in range(k)]
+            if diverge_at is not None and 0 <= diverge_at - o < k:
+                pinned[diverge_at - o] = (pinned[diverge_at - o] + 1) % vocab
             logits = torch.full((1, k, vocab), -1e4)
             logits[0, torch.arange(k), torch.tensor(pinned)] = 1e4
             return logits

@@ -154,6 +154,21 @@ def test_sample_block_stops_where_admission_fails(target, drafter):
     assert len(draft.survival) == 3  # the third position's confidence was examined, its token never sampled
 
 
+@torch.no_grad()
+def test_sample_block_computes_base_logits_as_far_as_admission_goes(target, drafter, monkeypatch):
+    """Under an admission policy the LM head runs on the first two positions, and on the rest only if sampling gets
+    there; the drafts and logits are those of one whole-block product."""
+    hidden, ids, lm_head = torch.randn(1, 4, 32), torch.randint(0, 99, (1, 3)), target.get_output_embeddings()
+    whole = drafter.sample_block(hidden, ids, lm_head)  # no admission: one product for the block
+    rows, original = [], drafter.draft_base_logits
+    monkeypatch.setattr(drafter, "draft_base_logits", lambda h, head: rows.append(h.shape[1]) or original(h, head))
+    for limit, products in ((1, [2]), (2, [2]), (3, [2, 2]), (4, [2, 2])):
+        rows.clear()
+        draft = drafter.sample_block(hidden, ids, lm_head, admit=lambda k, a: k <= limit)
+        assert rows == products and torch.equal(draft.tokens, whole.tokens[:, :limit])
+        torch.testing.assert_close(draft.logits, whole.logits[:, :limit])
+
+
 def test_stats_per_position_and_tau():
     stats = DSparkGenerationStats(block_size=3, num_prompt_tokens=5)
     stats.record_step(3, 3)  # all accepted

@@ -500,7 +500,10 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
         being the anchor. Returns a `DSparkBlockDraft`.
         """
         gamma = hidden_states.shape[1] if max_tokens is None else min(max_tokens, hidden_states.shape[1])
-        base = self.draft_base_logits(hidden_states[:, :gamma], lm_head)  # (1, γ, V), one LM-head matmul
+        # U_k for the block: one LM-head product, or, when admission can stop early (it mostly stops after 1-2
+        # positions), the first two positions first and the rest only if sampling gets there
+        first = gamma if admit is None else min(2, gamma)
+        base = self.draft_base_logits(hidden_states[:, :first], lm_head)  # (1, K', V)
         temperatures = self.sts_temperatures
         ids, prev, state, survival = sequence_ids, sequence_ids[:, -1:], None, 1.0
         logits_out, conf_out, survivals = [], [], []
@@ -513,6 +516,8 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
                 survivals.append(survival)
             if admit is not None and not admit(k + 1, survival):
                 break
+            if k == base.shape[1]:
+                base = torch.cat([base, self.draft_base_logits(hidden_states[:, k:gamma], lm_head)], dim=1)
             bias, next_state = self.draft_sequential_bias(prev, h_k, state)
             logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]
             if logits_processor:  # None or an empty LogitsProcessorList: nothing to apply, no check (no host sync)
