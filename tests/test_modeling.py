@@ -164,7 +164,7 @@ def test_sample_block_computes_base_logits_as_far_as_admission_goes(target, draf
     monkeypatch.setattr(drafter, "draft_base_logits", lambda h, head: rows.append(h.shape[1]) or original(h, head))
     for limit, products in ((1, [2]), (2, [2]), (3, [2, 2]), (4, [2, 2])):
         rows.clear()
-        draft = drafter.sample_block(hidden, ids, lm_head, admit=lambda k, a: k <= limit)
+        draft = drafter.sample_block(hidden, ids, lm_head, admit=lambda k, a, limit=limit: k <= limit)
         assert rows == products and torch.equal(draft.tokens, whole.tokens[:, :limit])
         torch.testing.assert_close(draft.logits, whole.logits[:, :limit])
 
