@@ -25,6 +25,9 @@ logger = logging.get_logger(__name__)
 
 SEQUENTIAL_HEADS = ("markov", "gated_markov", "rnn", "none")
 VERIFY_POLICIES = ("threshold", "fixed", "scheduler")
+# Block positions whose base logits drafting computes first under a policy that can stop early ("threshold",
+# "scheduler": they mostly verify 1-2 drafts); the rest of the block only if sampling gets there.
+EARLY_DRAFT_POSITIONS = 2
 
 # Known mask tokens of target families whose released drafters use a vocabulary token as the mask.
 # Everything else gets a learned mask embedding (mask_token_id=None).

@@ -38,7 +38,7 @@ import torch
 from transformers.utils import logging
 
 from .acceptance import accept_greedy, accept_speculative_sampling
-from .configuration_dspark import VERIFY_POLICIES
+from .configuration_dspark import EARLY_DRAFT_POSITIONS, VERIFY_POLICIES
 from .generation import is_dspark_drafter
 from .ragged_cache import RaggedCache
 from .request import Request, check_sampling_settings, prompt_token_ids
@@ -439,7 +439,7 @@ class Engine:
         if steps == 0:
             return _Block(tokens, None, caps, [[] for _ in requests])
         # One LM-head product for the block; a policy that can stop early takes the first two positions first
-        first = steps if self.policy == "fixed" else min(2, steps)
+        first = steps if self.policy == "fixed" else min(EARLY_DRAFT_POSITIONS, steps)
         base = self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)  # (B, K', V)
         sampling = any(r.do_sample for r in requests)
         logits_out = base.new_zeros(len(requests), steps, base.shape[-1]) if sampling else None

@@ -33,7 +33,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import logging
 
-from .configuration_dspark import DSparkConfig
+from .configuration_dspark import EARLY_DRAFT_POSITIONS, DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, DSparkConfidenceHead, survival_probabilities
 from .utils import gathered_rows, linear_few_rows
 from .verify_head import VerifyLinear
@@ -500,9 +500,9 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
         being the anchor. Returns a `DSparkBlockDraft`.
         """
         gamma = hidden_states.shape[1] if max_tokens is None else min(max_tokens, hidden_states.shape[1])
-        # U_k for the block: one LM-head product, or, when admission can stop early (it mostly stops after 1-2
-        # positions), the first two positions first and the rest only if sampling gets there
-        first = gamma if admit is None else min(2, gamma)
+        # U_k for the block: one LM-head product, or, when admission can stop early, the first positions first and
+        # the rest only if sampling gets there
+        first = gamma if admit is None else min(EARLY_DRAFT_POSITIONS, gamma)
         base = self.draft_base_logits(hidden_states[:, :first], lm_head)  # (1, K', V)
         temperatures = self.sts_temperatures
         ids, prev, state, survival = sequence_ids, sequence_ids[:, -1:], None, 1.0

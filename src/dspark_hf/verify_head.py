@@ -118,12 +118,13 @@ def verifying(model):
         state["on"] = previous
 
 
-def _pad_step(model, args, kwargs):
-    """Forward pre-hook of `padded_steps`: a one-token step with a filled cache becomes a two-token one."""
+def _pad_step(kwargs: dict) -> bool:
+    """Turn the keyword inputs of a one-token step with a filled cache into a two-token step, in place; returns
+    whether it did (a prefill, an embeddings call or a positional call is left alone)."""
     input_ids = kwargs.get("input_ids")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if args or input_ids is None or input_ids.shape[-1] != 1 or cache is None or cache.get_seq_length() == 0:
-        return None  # prefill, an embeddings call or a positional call: untouched
+    if input_ids is None or input_ids.shape[-1] != 1 or cache is None or cache.get_seq_length() == 0:
+        return False
     kwargs["input_ids"] = input_ids.repeat(1, 2)  # (B, 2): the second copy is junk, cropped again after the forward
     mask = kwargs.get("attention_mask")
     if mask is not None:
@@ -137,19 +138,7 @@ def _pad_step(model, args, kwargs):
         kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + 1], dim=-1)
     if isinstance(kwargs.get("logits_to_keep"), int) and kwargs["logits_to_keep"] > 0:
         kwargs["logits_to_keep"] = 2
-    model._dspark_padded = True
-    set_verifying(model, True)
-    return args, kwargs
-
-
-def _crop_step(model, args, kwargs, output):
-    """Forward hook of `padded_steps`: drop the junk position from the cache and the logits."""
-    if not vars(model).pop("_dspark_padded", False):
-        return None
-    set_verifying(model, False)
-    kwargs.get("cache", kwargs.get("past_key_values")).crop(-1)
-    output.logits = output.logits[:, :1]  # (B, 1, V): the real token's
-    return output
+    return True
 
 
 @contextlib.contextmanager
@@ -162,16 +151,33 @@ def padded_steps(model):
     states and attentions, if asked for, keep the junk one).
     """
     attach(model)
+    padded = {"step": False}  # whether the forward in flight is a padded step
+
+    def pad(module, args, kwargs):
+        if args or not _pad_step(kwargs):
+            return None
+        padded["step"] = True
+        set_verifying(model, True)
+        return args, kwargs
+
+    def crop(module, args, kwargs, output):
+        if not padded["step"]:
+            return None
+        padded["step"] = False
+        set_verifying(model, False)
+        kwargs.get("cache", kwargs.get("past_key_values")).crop(-1)  # forget the junk position
+        output.logits = output.logits[:, :1]  # (B, 1, V): the real token's
+        return output
+
     handles = [
-        model.register_forward_pre_hook(_pad_step, with_kwargs=True),
-        model.register_forward_hook(_crop_step, with_kwargs=True),
+        model.register_forward_pre_hook(pad, with_kwargs=True),
+        model.register_forward_hook(crop, with_kwargs=True),
     ]
     try:
         yield model
     finally:
         for handle in handles:
             handle.remove()
-        vars(model).pop("_dspark_padded", None)
         set_verifying(model, False)
 
 
