@@ -24,6 +24,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .generation import eos_token_ids
+from .packed_linear import pack_linears
 from .profiling import sps_for
 from .scheduler import DraftGate, build_admission, conditional_confidences
 from .stats import DSparkGenerationStats
@@ -61,6 +62,7 @@ class DrafterCandidateGenerator(CandidateGenerator):
             raise ValueError(f"{type(target).__name__} has no output embeddings (LM head) for the drafter to borrow.")
         self.target = target
         attach(target)  # CPU float32 linears verify a few rows faster (verify_head.py)
+        pack_linears(drafter)  # CPU linears of the drafter through oneDNN's packed weights (packed_linear.py)
         set_verifying(target, False)  # on only between a draft and its verify (a failed call may have left it on)
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.do_sample = bool(generation_config.do_sample)

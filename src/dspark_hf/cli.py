@@ -18,12 +18,13 @@ def _load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .modeling_dspark import DSparkDraftModel
+    from .packed_linear import inference_dtype
 
     if args.drafter is None:
         raise SystemExit("--target needs --drafter (a DSpark checkpoint made for that target).")
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = DSparkDraftModel.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    drafter = DSparkDraftModel.from_pretrained(args.drafter, dtype=inference_dtype()).eval()
     return target, tokenizer, drafter
 
 

@@ -15,6 +15,7 @@ from transformers.utils import logging
 
 from .configuration_dspark import DSparkConfig
 from .modeling_dspark import DSparkDraftModel
+from .packed_linear import inference_dtype
 
 
 logger = logging.get_logger(__name__)
@@ -55,16 +56,22 @@ def untrained_drafter(target) -> DSparkDraftModel:
     return drafter
 
 
-def load_default(drafter_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
-    """`(target, tokenizer, drafter)` for the embedded default.
+def load_default(
+    drafter_path: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    drafter_dtype: torch.dtype | None = None,
+):
+    """`(target, tokenizer, drafter)` for the embedded default: the target in `dtype`, the drafter in `drafter_dtype`
+    (default: `packed_linear.inference_dtype`, bf16 on a CPU that computes it natively, else `dtype`).
 
     The drafter is `drafter_path`, else the checkpoint shipped in `dspark_hf/default_drafter/`, else (until a trained
     one ships) a clearly labelled untrained drafter (`drafter.is_untrained` is True, and a warning says so).
     """
     target, tokenizer = load_default_target(dtype)
+    drafter_dtype = drafter_dtype or inference_dtype("cpu", dtype)
     path = Path(drafter_path) if drafter_path is not None else DEFAULT_DRAFTER_DIR
     if (path / "config.json").is_file():
-        drafter = DSparkDraftModel.from_pretrained(path, dtype=dtype).eval()
+        drafter = DSparkDraftModel.from_pretrained(path, dtype=drafter_dtype).eval()
         drafter.is_untrained = False
     elif drafter_path is not None:
         raise FileNotFoundError(f"No DSpark checkpoint (config.json) at {path}.")
@@ -74,4 +81,4 @@ def load_default(drafter_path: str | os.PathLike | None = None, dtype: torch.dty
             "to plain decoding, but expect τ ≈ 1 and no speedup."
         )
         drafter = untrained_drafter(target)
-    return target, tokenizer, drafter.to(dtype)
+    return target, tokenizer, drafter.to(drafter_dtype)

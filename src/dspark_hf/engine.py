@@ -40,6 +40,7 @@ from transformers.utils import logging
 from .acceptance import accept_greedy, accept_speculative_sampling
 from .configuration_dspark import EARLY_DRAFT_POSITIONS, VERIFY_POLICIES
 from .generation import is_dspark_drafter
+from .packed_linear import pack_linears
 from .ragged_cache import RaggedCache
 from .request import Request, check_sampling_settings, prompt_token_ids
 from .scheduler import SPS, DraftGate, SPSCurve, prefix_schedule, settled_prefix_schedule
@@ -136,6 +137,8 @@ class Engine:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keeps_logits = "logits_to_keep" in params
         attach(target)  # CPU float32 linears compute a step's few rows faster (verify_head.py)
+        if drafter is not None:
+            pack_linears(drafter)  # the drafter's CPU linears through oneDNN's packed weights (packed_linear.py)
         self.policy = self._setup_drafter(drafter, tokenizer, verify_policy, sps)
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.gate = DraftGate(self.sps, draft_seconds) if self._check_gate(gate_drafts, draft_seconds) else None

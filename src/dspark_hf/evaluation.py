@@ -31,6 +31,7 @@ from transformers.utils import logging
 from . import verify_head
 from .bench import encode, timed_generate
 from .generation import record_draft_rounds
+from .packed_linear import inference_dtype
 from .stats import DSparkGenerationStats
 
 
@@ -272,6 +273,7 @@ def describe_assistant(assistant) -> dict:
         "verify_policy": getattr(config, "verify_policy", None),
         "num_hidden_layers": getattr(config, "num_hidden_layers", None),
         "num_parameters": sum(p.numel() for p in assistant.parameters()),
+        "dtype": str(assistant.dtype).replace("torch.", ""),
         "untrained": bool(getattr(assistant, "is_untrained", False)),
     }
 
@@ -472,8 +474,11 @@ def parse_drafters(specs) -> dict[str, str]:
     return named
 
 
-def load_assistant(path: str, dtype=torch.float32):
-    """A drafter or assistant model from a folder or Hub id: DSpark (ours or DeepSpec's), else any Auto model."""
+def load_assistant(path: str, dtype: torch.dtype | None = None):
+    """A drafter or assistant model from a folder or Hub id: DSpark (ours or DeepSpec's), else any Auto model.
+
+    `dtype` None: a DSpark drafter in `packed_linear.inference_dtype()` (bf16 on a CPU that computes it natively),
+    any other assistant in float32."""
     from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -482,9 +487,9 @@ def load_assistant(path: str, dtype=torch.float32):
 
     config = PretrainedConfig.get_config_dict(path)[0]
     if config.get("model_type") == "dspark" or is_deepspec_config(config):
-        return DSparkDraftModel.from_pretrained(path, dtype=dtype).eval()
+        return DSparkDraftModel.from_pretrained(path, dtype=dtype or inference_dtype()).eval()
     auto = AutoModelForCausalLM if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
-    return auto.from_pretrained(path, dtype=dtype).eval()
+    return auto.from_pretrained(path, dtype=dtype or torch.float32).eval()
 
 
 __all__ = [

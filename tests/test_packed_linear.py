@@ -1,0 +1,119 @@
+"""The drafter's CPU linears through oneDNN's packed weights (`packed_linear`), and bf16 drafters beside a float32
+target: same products up to rounding, gradients untouched, caches rebuilt when weights change, outputs lossless."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_drafter
+from dspark_hf import packed_linear
+from dspark_hf.evaluation import load_assistant
+from dspark_hf.packed_linear import PackedLinear, inference_dtype, pack_linears
+
+
+needs_packing = pytest.mark.skipif(
+    not packed_linear._check_available(), reason="this torch build has no oneDNN packed linear operators"
+)
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def packed_copy(linear: nn.Linear) -> PackedLinear:
+    module = nn.Sequential(linear)
+    assert pack_linears(module) == 1
+    return module[0]
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_packed_linear_computes_the_linear(dtype, bias):
+    reference = nn.Linear(24, 37, bias=bias).to(dtype)
+    layer = packed_copy(nn.Linear(24, 37, bias=bias).to(dtype))
+    layer.load_state_dict(reference.state_dict())
+    # 2-D, 3-D and a sliced (non-contiguous) 3-D input, from one row to more than the packed range
+    for x in (torch.randn(1, 24), torch.randn(2, 7, 24), torch.randn(1, 9, 24)[:, :3], torch.randn(1, 80, 24)):
+        x = x.to(dtype)
+        torch.testing.assert_close(layer(x), reference(x), **TOLERANCE[dtype])
+    assert "_packed_weights" in vars(layer)  # the packed path ran (and keeps its copy)
+
+
+@needs_packing
+def test_packed_copy_follows_weight_updates_and_gradients_take_the_plain_path():
+    layer = packed_copy(nn.Linear(16, 8))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2.0)  # in place, as an optimizer step: the packed copy must be rebuilt
+        torch.testing.assert_close(layer(x), 2 * (before - layer.bias) + layer.bias)
+    out = layer(x)  # with gradients: nn.Linear.forward, so training is unaffected
+    out.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.sum(0).expand(8, 16))
+
+
+def test_pack_linears_is_idempotent_and_skips_what_it_must():
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 1), nn.Linear(6, 6))
+    model[2].forward = lambda x: x  # a replaced forward: leave it alone
+    assert pack_linears(model) == 1 and pack_linears(model) == 1
+    assert [type(m) for m in model] == [PackedLinear, nn.Linear, nn.Linear]
+
+
+@needs_packing
+def test_disabled_packing_uses_the_plain_linear(monkeypatch):
+    layer = packed_copy(nn.Linear(8, 8))
+    monkeypatch.setattr(packed_linear, "ENABLED", False)
+    with torch.no_grad():
+        layer(torch.randn(2, 8))
+    assert "_packed_weights" not in vars(layer)
+
+
+def test_the_availability_check_leaves_the_global_rng_alone(monkeypatch):
+    monkeypatch.setattr(packed_linear, "_available", None)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    packed_linear._check_available()
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_inference_dtype(monkeypatch):
+    monkeypatch.setattr(packed_linear, "bf16_native", lambda: True)
+    assert inference_dtype("cpu", torch.float32) == torch.bfloat16
+    assert inference_dtype("cuda", torch.float16) == torch.float16  # other devices: the target's dtype
+    monkeypatch.setattr(packed_linear, "bf16_native", lambda: False)
+    assert inference_dtype("cpu", torch.float32) == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_assistant_loads_drafters_in_the_inference_dtype(target, tmp_path, monkeypatch, dtype):
+    make_drafter(target).save_pretrained(tmp_path)
+    monkeypatch.setattr(packed_linear, "bf16_native", lambda: dtype == torch.bfloat16)
+    assert load_assistant(str(tmp_path)).dtype == dtype
+    assert load_assistant(str(tmp_path), dtype=torch.float32).dtype == torch.float32
+
+
+@torch.no_grad()
+def test_bf16_drafter_drafts_against_a_bf16_copy_of_the_float32_head(target):
+    drafter32 = make_drafter(target)
+    drafter16 = make_drafter(target).to(torch.bfloat16)
+    lm_head = target.get_output_embeddings()
+    hidden = torch.randn(1, drafter32.config.block_size, target.config.hidden_size)
+    ref = drafter32.base_logits(hidden, lm_head)
+    out = drafter16.base_logits(hidden.bfloat16(), lm_head)
+    assert out.dtype == torch.float32 and lm_head.weight.dtype == torch.float32  # the target is untouched
+    torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)
+    ((_, rows),) = drafter16._gathered_rows.values()
+    assert rows.dtype == torch.bfloat16 and rows.shape == lm_head.weight.shape
+    drafter16.base_logits(hidden.bfloat16(), lm_head)
+    assert next(iter(drafter16._gathered_rows.values()))[1] is rows  # the copy is kept between calls
+
+
+@pytest.mark.parametrize("sequential_head", ["markov", "rnn"])
+def test_bf16_drafter_is_lossless_beside_a_float32_target(target, sequential_head):
+    drafter = make_drafter(target, sequential_head=sequential_head).to(torch.bfloat16)
+    ids = torch.randint(0, 99, (1, 7))
+    plain = target.generate(ids, do_sample=False, max_new_tokens=20)
+    assisted = target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=drafter)
+    assert torch.equal(plain, assisted)
+    assert sum(drafter.generation_stats.verify_lengths) > 0  # it drafted
+    assert all(type(m) is not nn.Linear or m.out_features == 1 for m in drafter.modules())  # packed for inference
