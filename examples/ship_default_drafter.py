@@ -7,7 +7,8 @@
 Writes a Hub-layout folder without remote code (config.json with the STS temperatures, bf16 model.safetensors,
 calibration.json, README.md built from the measured results, the training settings and the data statistics).
 `dspark_hf.load_default()`, `dspark-hf demo` and `dspark-hf bench` then use it. The weights are stored in bf16
-(half the size; the drafter is loaded back in the target's dtype) and the folder must stay under 40 MB.
+(half the size; `load_default()` runs the drafter in bf16 on a CPU with native bf16, else in the target's dtype)
+and the folder must stay under 40 MB.
 """
 
 import argparse
