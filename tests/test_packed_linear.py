@@ -117,3 +117,19 @@ def test_bf16_drafter_is_lossless_beside_a_float32_target(target, sequential_hea
     assert torch.equal(plain, assisted)
     assert sum(drafter.generation_stats.verify_lengths) > 0  # it drafted
     assert all(type(m) is not nn.Linear or m.out_features == 1 for m in drafter.modules())  # packed for inference
+
+
+@needs_packing
+@torch.no_grad()
+def test_linear_routes_few_float32_rows_to_the_transposed_product_and_packs_the_rest():
+    owner, weight = nn.Module(), torch.randn(40, 16)
+    for rows, packs in ((2, False), (4, False), (7, True)):
+        x = torch.randn(1, 9, 16)[:, :rows]  # sliced, as the drafter's first block positions are
+        torch.testing.assert_close(
+            packed_linear.linear(x, weight, owner=owner), x @ weight.T, **TOLERANCE[torch.float32]
+        )
+        assert ("_packed_weights" in vars(owner)) == packs
+    bf16 = weight.bfloat16()
+    x = torch.randn(1, 2, 16).bfloat16()
+    torch.testing.assert_close(packed_linear.linear(x, bf16, owner=owner), x @ bf16.T, **TOLERANCE[torch.bfloat16])
+    assert len(owner._packed_weights) == 2  # bf16 packs from the first row
