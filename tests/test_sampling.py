@@ -83,6 +83,8 @@ def setup_models(kind="dspark"):
     drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="threshold", confidence_threshold=0.3)
     if kind == "dspark_draft_vocab":  # drafts never propose token 2; the target still emits it at its rate
         drafter.set_draft_vocab([0, 1, 3])
+    if kind == "dspark_bf16":  # a bf16 drafter beside the float32 target (the default on a CPU with native bf16)
+        drafter = drafter.to(torch.bfloat16)
     if kind == "dspark_padded":  # Algorithm 1 on a profile where 2 tokens cost more than 3: verifies are padded
         drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="scheduler", draft_gate=False)
         drafter.sps_profile = PADDED_SPS
@@ -109,6 +111,13 @@ def test_sampling_with_a_draft_vocabulary_matches_target_distribution():
     """Drafts never propose token 2 (q = 0 there): the residual distribution has to supply it at the target's rate."""
     (rejects, stat, critical), _ = run_check(1500, kind="dspark_draft_vocab")
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: sampling with a draft vocabulary differs from the target's"
+
+
+def test_sampling_with_a_bf16_drafter_matches_target_distribution():
+    """The draft distribution comes from bf16 products (packed on the CPU); verification uses exactly that q."""
+    (rejects, stat, critical), drafter = run_check(1500, kind="dspark_bf16")
+    assert drafter.dtype == torch.bfloat16
+    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: sampling with a bf16 drafter differs from the target's"
 
 
 def test_sampling_with_padded_verifies_matches_target_distribution():
