@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_drafter
+from conftest import make_drafter, make_target
 from dspark_hf import packed_linear
 from dspark_hf.evaluation import load_assistant
 from dspark_hf.packed_linear import PackedLinear, inference_dtype, pack_linears
@@ -133,3 +133,14 @@ def test_linear_routes_few_float32_rows_to_the_transposed_product_and_packs_the_
     x = torch.randn(1, 2, 16).bfloat16()
     torch.testing.assert_close(packed_linear.linear(x, bf16, owner=owner), x @ bf16.T, **TOLERANCE[torch.bfloat16])
     assert len(owner._packed_weights) == 2  # bf16 packs from the first row
+
+
+@torch.no_grad()
+def test_a_float32_drafter_beside_a_bf16_head_keeps_no_float32_copy():
+    target = make_target().to(torch.bfloat16)
+    drafter = make_drafter(target)  # float32
+    lm_head = target.get_output_embeddings()
+    hidden = torch.randn(1, drafter.config.block_size, target.config.hidden_size)
+    logits = drafter.base_logits(hidden, lm_head)
+    torch.testing.assert_close(logits, (hidden.bfloat16() @ lm_head.weight.T).float(), atol=0.1, rtol=0.05)
+    assert not getattr(drafter, "_gathered_rows", None)  # the head's own bf16 weight, no cast copy kept

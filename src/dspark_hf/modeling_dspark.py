@@ -226,17 +226,18 @@ class DrafterMixin:
         """`U_k = lm_head(h_k)`, soft-capped for Gemma-family targets: (B, K, d) -> (B, K, V) float32.
 
         With `vocab_ids` (V',) only those columns are computed, (B, K, V'): training on a vocabulary shortlist.
-        The product runs in the drafter's dtype: a bf16 drafter beside a float32 target multiplies by a bf16 copy of
-        the head's rows (kept between no-grad calls), half the memory traffic of the float32 rows on every draft; on
-        the CPU through oneDNN's packed layout (`packed_linear.linear`).
+        The product runs in the narrower of the drafter's and the head's dtypes: a bf16 drafter beside a float32
+        target multiplies by a bf16 copy of the head's rows (kept between no-grad calls), half the memory traffic of
+        the float32 rows on every draft; a float32 drafter beside a bf16 head casts its hidden states down instead
+        (no float32 copy of a large head). On the CPU through oneDNN's packed layout (`packed_linear.linear`).
         """
         if vocab_ids is None and not _plain_linear(lm_head):  # a quantised or hooked (offloaded) head computes itself
             logits = lm_head(hidden_states.to(lm_head.weight.dtype)).float()
         else:
             weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+            narrower = weight.dtype.is_floating_point and self.dtype.itemsize < weight.dtype.itemsize
             # the rows are kept between no-grad calls (inference, evaluation) when gathered or cast
-            dtype = self.dtype if weight.dtype.is_floating_point else None
-            weight = gathered_rows(self, weight, vocab_ids, dtype)
+            weight = gathered_rows(self, weight, vocab_ids, self.dtype if narrower else None)
             if bias is not None:
                 bias = (bias if vocab_ids is None else bias[vocab_ids]).to(weight.dtype)
             logits = packed_linear.linear(hidden_states.to(weight.dtype), weight, bias, owner=self).float()
