@@ -12,7 +12,8 @@ Each round of `generate()` (batch size 1):
            (confidence threshold or Algorithm 1) says verification no longer pays;
   verify / accept / commit / crop: done by transformers' loop, against the processed biased draft logits we return,
            so greedy output is token-identical and sampling is exact rejection sampling. Between a draft and its
-           verify the target's CPU float32 linears compute their few rows the fast way (`verify_head`).
+           verify the target's CPU float32 linears compute their few rows the fast way (`verify_head`); the
+           drafter's CPU linears always do, through packed weights (`packed_linear`).
 """
 
 import time

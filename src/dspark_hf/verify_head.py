@@ -16,7 +16,7 @@ bf16 linears (oneDNN) and GPU linears do not have the problem, and are left alon
 
 `attach(model)` turns the model's plain float32 CPU `nn.Linear`s into `VerifyLinear`s. While the model's verify flag
 is on (`with verifying(model):`, or the candidate generator between a draft and its verify), they compute
-`MIN_ROWS..max_rows` rows with `utils.linear_few_rows`, the product the drafter already uses for its block logits.
+`MIN_ROWS..max_rows` rows with `utils.linear_few_rows`, the product a float32 drafter also uses for 2–4 LM-head rows.
 `max_rows` is `MAX_ROWS_HEAD` for the LM head and `MAX_ROWS` for the other linears. Otherwise they run
 `nn.Linear.forward`, so the model behaves as before outside this package's verify passes. The two products agree to
 float rounding (the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False`
