@@ -35,7 +35,8 @@ def test_packed_linear_computes_the_linear(dtype, bias):
     for x in (torch.randn(1, 24), torch.randn(2, 7, 24), torch.randn(1, 9, 24)[:, :3], torch.randn(1, 80, 24)):
         x = x.to(dtype)
         torch.testing.assert_close(layer(x), reference(x), **TOLERANCE[dtype])
-    assert "_packed_weights" in vars(layer)  # the packed path ran (and keeps its copy)
+    # the packed path ran (and keeps its copy); bf16 only where the CPU computes it natively
+    assert ("_packed_weights" in vars(layer)) == (dtype == torch.float32 or packed_linear.bf16_native())
 
 
 @needs_packing
@@ -132,7 +133,7 @@ def test_linear_routes_few_float32_rows_to_the_transposed_product_and_packs_the_
     bf16 = weight.bfloat16()
     x = torch.randn(1, 2, 16).bfloat16()
     torch.testing.assert_close(packed_linear.linear(x, bf16, owner=owner), x @ bf16.T, **TOLERANCE[torch.bfloat16])
-    assert len(owner._packed_weights) == 2  # bf16 packs from the first row
+    assert len(owner._packed_weights) == (2 if packed_linear.bf16_native() else 1)  # bf16 packs from the first row
 
 
 @torch.no_grad()
@@ -144,3 +145,14 @@ def test_a_float32_drafter_beside_a_bf16_head_keeps_no_float32_copy():
     logits = drafter.base_logits(hidden, lm_head)
     torch.testing.assert_close(logits, (hidden.bfloat16() @ lm_head.weight.T).float(), atol=0.1, rtol=0.05)
     assert not getattr(drafter, "_gathered_rows", None)  # the head's own bf16 weight, no cast copy kept
+
+
+@torch.no_grad()
+def test_bf16_is_not_packed_on_a_cpu_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(packed_linear, "bf16_native", lambda: False)
+    reference = nn.Linear(16, 8).bfloat16()
+    layer = packed_copy(nn.Linear(16, 8).bfloat16())
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 16).bfloat16()
+    torch.testing.assert_close(layer(x), reference(x))
+    assert "_packed_weights" not in vars(layer)

@@ -23,6 +23,8 @@ torch's inductor uses for CPU linears). They are only used from this module, beh
 and agree with `F.linear`; without them everything takes `F.linear`. Set `ENABLED = False` to turn packing off.
 """
 
+import functools
+
 import torch
 from torch import nn
 from transformers.utils import logging
@@ -55,9 +57,10 @@ def _check_available() -> bool:
     return _available
 
 
+@functools.cache
 def bf16_native() -> bool:
     """Whether this CPU computes bf16 products natively (AVX-512 BF16 or AMX), so a bf16 drafter runs faster than
-    a float32 one rather than emulating bf16."""
+    a float32 one rather than emulating bf16 (asked once per process)."""
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     try:
         return bool(check()) if check is not None and torch.backends.mkldnn.is_available() else False
@@ -81,6 +84,7 @@ def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and weight.dtype in _PACKABLE_DTYPES
         and x.dtype == weight.dtype
+        and (weight.dtype != torch.bfloat16 or bf16_native())  # oneDNN packs bf16 only where the CPU computes it
         and weight.dim() == 2
         and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
         and _check_available()
