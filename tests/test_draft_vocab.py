@@ -7,6 +7,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from conftest import make_drafter
 from dspark_hf import DSparkDraftModel
 from dspark_hf.engine import Engine
+from dspark_hf.utils import kept_copies
 
 
 HALF = list(range(0, 99, 2))  # the even token ids of the tiny 99-token target
@@ -36,13 +37,12 @@ def test_draft_logits_are_the_full_logits_on_the_draft_vocabulary(target):
     odd = list(range(1, 99, 2))
     assert torch.isneginf(base[..., odd]).all() and (bias[..., odd] == 0).all()
     # the gathered LM-head rows are reused between calls, and rebuilt when the head's weight changes in place
-    cached = drafter._gathered_rows[id(lm_head.weight)][1]
-    w2 = drafter.markov_head.markov_w2.weight
-    cached_w2 = drafter.markov_head._gathered_rows[id(w2)][1]
+    (cached,) = kept_copies(drafter, "rows")
+    (cached_w2,) = kept_copies(drafter.markov_head, "rows")
     drafter.draft_base_logits(hidden, lm_head)
     drafter.draft_sequential_bias(prev, hidden[:, :1])
-    assert drafter._gathered_rows[id(lm_head.weight)][1] is cached
-    assert drafter.markov_head._gathered_rows[id(w2)][1] is cached_w2
+    assert kept_copies(drafter, "rows")[0] is cached
+    assert kept_copies(drafter.markov_head, "rows")[0] is cached_w2
     lm_head.weight.mul_(2.0)
     torch.testing.assert_close(drafter.draft_base_logits(hidden, lm_head)[..., HALF], 2 * base[..., HALF])
 

@@ -1,6 +1,8 @@
 """The drafter's CPU linears through oneDNN's packed weights (`packed_linear`), and bf16 drafters beside a float32
 target: same products up to rounding, gradients untouched, caches rebuilt when weights change, outputs lossless."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,8 @@ from torch import nn
 from conftest import make_drafter, make_target
 from dspark_hf import packed_linear
 from dspark_hf.evaluation import load_assistant
-from dspark_hf.packed_linear import PackedLinear, inference_dtype, pack_linears
+from dspark_hf.packed_linear import PackedLinear, inference_dtype, pack_linears, packed_count
+from dspark_hf.utils import kept_copies
 
 
 needs_packing = pytest.mark.skipif(
@@ -36,7 +39,7 @@ def test_packed_linear_computes_the_linear(dtype, bias):
         x = x.to(dtype)
         torch.testing.assert_close(layer(x), reference(x), **TOLERANCE[dtype])
     # the packed path ran (and keeps its copy); bf16 only where the CPU computes it natively
-    assert ("_packed_weights" in vars(layer)) == (dtype == torch.float32 or packed_linear.bf16_native())
+    assert bool(packed_count(layer)) == (dtype == torch.float32 or packed_linear.bf16_native())
 
 
 @needs_packing
@@ -65,7 +68,7 @@ def test_disabled_packing_uses_the_plain_linear(monkeypatch):
     monkeypatch.setattr(packed_linear, "ENABLED", False)
     with torch.no_grad():
         layer(torch.randn(2, 8))
-    assert "_packed_weights" not in vars(layer)
+    assert packed_count(layer) == 0
 
 
 def test_the_availability_check_leaves_the_global_rng_alone(monkeypatch):
@@ -103,10 +106,10 @@ def test_bf16_drafter_drafts_against_a_bf16_copy_of_the_float32_head(target):
     out = drafter16.base_logits(hidden.bfloat16(), lm_head)
     assert out.dtype == torch.float32 and lm_head.weight.dtype == torch.float32  # the target is untouched
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)
-    ((_, rows),) = drafter16._gathered_rows.values()
+    (rows,) = kept_copies(drafter16, "rows")
     assert rows.dtype == torch.bfloat16 and rows.shape == lm_head.weight.shape
     drafter16.base_logits(hidden.bfloat16(), lm_head)
-    assert next(iter(drafter16._gathered_rows.values()))[1] is rows  # the copy is kept between calls
+    assert kept_copies(drafter16, "rows")[0] is rows  # the copy is kept between calls
 
 
 @pytest.mark.parametrize("sequential_head", ["markov", "rnn"])
@@ -129,11 +132,11 @@ def test_linear_routes_few_float32_rows_to_the_transposed_product_and_packs_the_
         torch.testing.assert_close(
             packed_linear.linear(x, weight, owner=owner), x @ weight.T, **TOLERANCE[torch.float32]
         )
-        assert ("_packed_weights" in vars(owner)) == packs
+        assert bool(packed_count(owner)) == packs
     bf16 = weight.bfloat16()
     x = torch.randn(1, 2, 16).bfloat16()
     torch.testing.assert_close(packed_linear.linear(x, bf16, owner=owner), x @ bf16.T, **TOLERANCE[torch.bfloat16])
-    assert len(owner._packed_weights) == (2 if packed_linear.bf16_native() else 1)  # bf16 packs from the first row
+    assert packed_count(owner) == (2 if packed_linear.bf16_native() else 1)  # bf16 packs from the first row
 
 
 @torch.no_grad()
@@ -144,7 +147,7 @@ def test_a_float32_drafter_beside_a_bf16_head_keeps_no_float32_copy():
     hidden = torch.randn(1, drafter.config.block_size, target.config.hidden_size)
     logits = drafter.base_logits(hidden, lm_head)
     torch.testing.assert_close(logits, (hidden.bfloat16() @ lm_head.weight.T).float(), atol=0.1, rtol=0.05)
-    assert not getattr(drafter, "_gathered_rows", None)  # the head's own bf16 weight, no cast copy kept
+    assert not kept_copies(drafter, "rows")  # the head's own bf16 weight, no cast copy kept
 
 
 @torch.no_grad()
@@ -155,4 +158,21 @@ def test_bf16_is_not_packed_on_a_cpu_without_native_bf16(monkeypatch):
     layer.load_state_dict(reference.state_dict())
     x = torch.randn(3, 16).bfloat16()
     torch.testing.assert_close(layer(x), reference(x))
-    assert "_packed_weights" not in vars(layer)
+    assert packed_count(layer) == 0
+
+
+@needs_packing
+def test_a_drafter_that_has_drafted_can_still_be_copied_and_saved(target, tmp_path):
+    drafter = make_drafter(target)
+    drafter.set_draft_vocab(list(range(0, 99, 2)))  # kept copies of both kinds: gathered head rows, packed weights
+    target.generate(torch.randint(0, 99, (1, 5)), do_sample=False, max_new_tokens=6, assistant_model=drafter)
+    assert any(packed_count(m) for m in drafter.modules())  # it drafted through packed weights
+    assert kept_copies(drafter, "rows")  # and the head's draft-vocabulary rows
+    twin = copy.deepcopy(drafter)
+    torch.save(drafter.state_dict(), tmp_path / "weights.pt")
+    torch.save(drafter, tmp_path / "model.pt")
+    ids = torch.randint(0, 99, (1, 5))
+    assert torch.equal(
+        target.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=twin),
+        target.generate(ids, do_sample=False, max_new_tokens=8),
+    )

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .utils import linear_few_rows
+from .utils import kept_copies, kept_copy, linear_few_rows
 
 
 logger = logging.get_logger(__name__)
@@ -92,15 +92,15 @@ def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def packed_weight(owner: object, weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of `weight` (out, in), kept on `owner` while the weight is unchanged (same storage, same
-    in-place version counter)."""
+    """oneDNN's packed copy of `weight` (out, in), kept for `owner` while the weight is unchanged (same storage, same
+    in-place version counter).
+
+    The copies live beside the owner (`utils.kept_copy`), not in it: a packed tensor has no storage, so a model
+    holding one could not be deep-copied, pickled or `torch.save`d any more.
+    """
     key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
-    cache = owner.__dict__.setdefault("_packed_weights", {})
-    hit = cache.get(id(weight))
-    if hit is None or hit[0] != key:
-        cache.pop(id(weight), None)  # free the stale copy before making the new one
-        hit = cache[id(weight)] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT))
-    return hit[1]
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    return kept_copy(owner, "packed", weight, key, lambda: reorder(weight.detach(), BATCH_HINT))
 
 
 def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -109,6 +109,11 @@ def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, o
     bias = None if bias is None else bias.to(x.dtype)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def packed_count(owner: object) -> int:
+    """How many packed weight copies are kept for `owner` (each the size of its weight)."""
+    return len(kept_copies(owner, "packed"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, owner: object = None):
@@ -146,4 +151,4 @@ def pack_linears(model: nn.Module) -> int:
     return count
 
 
-__all__ = ["PackedLinear", "bf16_native", "inference_dtype", "linear", "pack_linears", "packed_weight"]
+__all__ = ["PackedLinear", "bf16_native", "inference_dtype", "linear", "pack_linears", "packed_count", "packed_weight"]

@@ -5,6 +5,8 @@ import gzip
 import json
 import os
 import tempfile
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,7 +71,7 @@ def linear_few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def gathered_rows(
     owner: object, weight: torch.Tensor, ids: torch.LongTensor | None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """`weight[ids]` (all of `weight` with `ids` None) in `dtype` (default: its own), kept on `owner` between calls
+    """`weight[ids]` (all of `weight` with `ids` None) in `dtype` (default: its own), kept for `owner` between calls
     while no gradient is needed (inference with a draft vocabulary, or a drafter computing in another dtype).
 
     Gathering the rows of a (V, d) LM head, or casting it, on every draft would copy tens of MB per round; the kept
@@ -84,9 +86,29 @@ def gathered_rows(
     key = (weight.data_ptr(), weight._version, dtype)
     if ids is not None:
         key += (ids.data_ptr(), ids._version, len(ids))
-    cache = owner.__dict__.setdefault("_gathered_rows", {})
+    return kept_copy(owner, "rows", weight, key, lambda: (weight if ids is None else weight[ids]).to(dtype))
+
+
+# owner -> {kind: {id(weight): (weak reference to weight, key, copy)}}. Beside the owners rather than in them: a
+# model must stay deep-copyable and picklable (a packed copy has no storage, a weak reference does not pickle).
+_KEPT: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def kept_copy(owner: object, kind: str, weight: torch.Tensor, key: tuple, make: Callable[[], torch.Tensor]):
+    """The `kind` copy of `weight` kept for `owner`: `make()` when there is none yet or it is stale.
+
+    A copy is reused only for the same live tensor (held by a weak reference, so a new tensor that the allocator
+    puts at a freed one's id and address is never mistaken for it) with the same `key` (e.g. its storage and
+    in-place version counter). A stale copy is dropped before the new one is made. The copies go when the owner does.
+    """
+    cache = _KEPT.setdefault(owner, {}).setdefault(kind, {})
     hit = cache.get(id(weight))
-    if hit is None or hit[0] != key:
-        cache.pop(id(weight), None)  # free the stale copy before making the new one
-        hit = cache[id(weight)] = (key, (weight if ids is None else weight[ids]).to(dtype))
-    return hit[1]
+    if hit is None or hit[0]() is not weight or hit[1] != key:
+        cache.pop(id(weight), None)
+        hit = cache[id(weight)] = (weakref.ref(weight), key, make())
+    return hit[2]
+
+
+def kept_copies(owner: object, kind: str) -> list[torch.Tensor]:
+    """The `kind` copies kept for `owner` (for tests and memory accounting)."""
+    return [copy for _, _, copy in _KEPT.get(owner, {}).get(kind, {}).values()]
