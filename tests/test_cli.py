@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
+from dspark_hf import packed_linear
 from dspark_hf.bench import read_prompts
 from dspark_hf.cli import main
 from helpers import char_tokenizer, pin_drafter
 
 
-def test_bench_writes_identical_results(tmp_path):
+@pytest.mark.parametrize("drafter_dtype", [None, "float32", "bfloat16"])
+def test_bench_writes_identical_results(tmp_path, drafter_dtype):
     target = make_target()
     target.save_pretrained(tmp_path / "target")
     char_tokenizer(99).save_pretrained(tmp_path / "target")
@@ -35,10 +37,14 @@ def test_bench_writes_identical_results(tmp_path):
             str(tmp_path / "drafter"),
             "--latency-lengths",
             "",
+            *(["--drafter-dtype", drafter_dtype] if drafter_dtype else []),
         ]
     )
     result = json.loads(out.read_text())
     assert code == 0 and result["all_identical"]
+    (described,) = result["drafters"].values()
+    expected = drafter_dtype or str(packed_linear.inference_dtype()).replace("torch.", "")
+    assert described["dtype"] == expected
     (run,) = result["runs"]  # one dataset ("prompts", the file stem), one drafter, greedy
     assert run["dataset"] == "prompts" and run["num_prompts"] == 3 and run["all_identical"]
     assert len(run["per_prompt"]) == 3 and all(p["new_tokens"] == 9 for p in run["per_prompt"])

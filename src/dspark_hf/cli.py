@@ -9,12 +9,18 @@ import torch
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 
 
+def _drafter_dtype(args) -> torch.dtype | None:
+    """--drafter-dtype as a torch dtype; None for "auto" (`packed_linear.inference_dtype`)."""
+    name = getattr(args, "drafter_dtype", "auto")
+    return None if name == "auto" else getattr(torch, name)
+
+
 def _load(args):
     """(target, tokenizer, drafter) from --target/--drafter, defaulting to the embedded SmolLM2 default."""
     from .default import load_default
 
     if args.target is None:
-        return load_default(drafter_path=args.drafter)
+        return load_default(drafter_path=args.drafter, drafter_dtype=_drafter_dtype(args))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .modeling_dspark import DSparkDraftModel
@@ -24,7 +30,7 @@ def _load(args):
         raise SystemExit("--target needs --drafter (a DSpark checkpoint made for that target).")
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = DSparkDraftModel.from_pretrained(args.drafter, dtype=inference_dtype()).eval()
+    drafter = DSparkDraftModel.from_pretrained(args.drafter, dtype=_drafter_dtype(args) or inference_dtype()).eval()
     return target, tokenizer, drafter
 
 
@@ -83,7 +89,8 @@ def _load_drafters(args):
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target)
-    return target, tokenizer, {label: load_assistant(path) for label, path in specs.items()}
+    dtype = _drafter_dtype(args)
+    return target, tokenizer, {label: load_assistant(path, dtype) for label, path in specs.items()}
 
 
 def cmd_bench(args) -> int:
@@ -433,6 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
             )
         else:
             p.add_argument("--drafter", help="DSpark drafter checkpoint (default: the shipped default drafter)")
+        p.add_argument(
+            "--drafter-dtype",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            default="auto",
+            help="the drafter's dtype; auto: bfloat16 on a CPU that computes it natively, else the target's (float32)",
+        )
 
     demo = sub.add_parser("demo", help="reply to one prompt with the embedded default; print τ and speedup")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
