@@ -176,3 +176,15 @@ def test_a_drafter_that_has_drafted_can_still_be_copied_and_saved(target, tmp_pa
         target.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=twin),
         target.generate(ids, do_sample=False, max_new_tokens=8),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafting_under_inference_mode(target, dtype):
+    """Pipelines run generate() under `torch.inference_mode`: the kept copies made there have no version counter."""
+    drafter = make_drafter(target).to(dtype)
+    drafter.set_draft_vocab(list(range(0, 99, 2)))
+    ids = torch.randint(0, 99, (1, 5))
+    with torch.inference_mode():
+        plain = target.generate(ids, do_sample=False, max_new_tokens=8)
+        for _ in range(2):  # the second call reuses what the first kept
+            assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=drafter), plain)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .utils import kept_copies, kept_copy, linear_few_rows
+from .utils import kept_copies, kept_copy, linear_few_rows, version_counter
 
 
 logger = logging.get_logger(__name__)
@@ -98,7 +98,7 @@ def packed_weight(owner: object, weight: torch.Tensor) -> torch.Tensor:
     The copies live beside the owner (`utils.kept_copy`), not in it: a packed tensor has no storage, so a model
     holding one could not be deep-copied, pickled or `torch.save`d any more.
     """
-    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+    key = (weight.data_ptr(), version_counter(weight), weight.dtype, tuple(weight.shape))
     reorder = torch.ops.mkldnn._reorder_linear_weight
     return kept_copy(owner, "packed", weight, key, lambda: reorder(weight.detach(), BATCH_HINT))
 
@@ -117,7 +117,7 @@ def packed_count(owner: object) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, owner: object = None):
-    """`F.linear(x, weight, bias)`, (..., in) -> (..., out), through a packed copy of `weight` kept on `owner` where
+    """`F.linear(x, weight, bias)`, (..., in) -> (..., out), through a packed copy of `weight` kept for `owner` where
     that is faster (CPU, no gradient, float32 beyond `FEW_ROWS_FLOAT32` rows or bf16); else `utils.linear_few_rows`."""
     rows = x.numel() // max(x.shape[-1], 1)
     if owner is None or not _packable(x, weight) or (x.dtype == torch.float32 and rows <= FEW_ROWS_FLOAT32):

@@ -83,9 +83,9 @@ def gathered_rows(
         return weight
     if torch.is_grad_enabled():
         return (weight if ids is None else weight[ids]).to(dtype)
-    key = (weight.data_ptr(), weight._version, dtype)
+    key = (weight.data_ptr(), version_counter(weight), dtype)
     if ids is not None:
-        key += (ids.data_ptr(), ids._version, len(ids))
+        key += (ids.data_ptr(), version_counter(ids), len(ids))
     return kept_copy(owner, "rows", weight, key, lambda: (weight if ids is None else weight[ids]).to(dtype))
 
 
@@ -107,6 +107,12 @@ def kept_copy(owner: object, kind: str, weight: torch.Tensor, key: tuple, make: 
         cache.pop(id(weight), None)
         hit = cache[id(weight)] = (weakref.ref(weight), key, make())
     return hit[2]
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter; 0 for an inference tensor (made under `torch.inference_mode`, as in
+    pipelines), which has none."""
+    return 0 if tensor.is_inference() else tensor._version
 
 
 def kept_copies(owner: object, kind: str) -> list[torch.Tensor]:
