@@ -39,22 +39,19 @@ MAX_ROWS = 64  # beyond this many rows (training batches, long prefills) `F.line
 BATCH_HINT = 4  # the row count oneDNN tunes the packed layout for; 1–16 rows all run near memory speed with it
 FEW_ROWS_FLOAT32 = 4  # float32 up to this many rows: `linear_few_rows` (1.36 against 1.63 ms for 2 head rows)
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-_available: bool | None = None  # whether the operators exist and agree with F.linear (checked on first use)
 
 
+@functools.cache
 def _check_available() -> bool:
-    global _available
-    if _available is None:
-        try:
-            ops = torch.ops.mkldnn
-            # fixed values (the global RNG stays untouched: seeded sampling must not depend on this check)
-            x, w = torch.arange(24.0).reshape(3, 8).sin(), torch.arange(40.0).reshape(5, 8).cos()
-            packed = ops._reorder_linear_weight(w, BATCH_HINT)
-            _available = bool(torch.allclose(_product(x, packed, None, 5), x @ w.T, atol=1e-4))
-        except (AttributeError, RuntimeError) as err:  # a torch build without oneDNN, or other operator signatures
-            logger.info(f"Prepacked CPU linears unavailable ({err}); drafters use F.linear.")
-            _available = False
-    return _available
+    """Whether the operators exist and agree with F.linear (checked once per process, on first use)."""
+    try:
+        # fixed values (the global RNG stays untouched: seeded sampling must not depend on this check)
+        x, w = torch.arange(24.0).reshape(3, 8).sin(), torch.arange(40.0).reshape(5, 8).cos()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        return bool(torch.allclose(_product(x, packed, None, 5), x @ w.T, atol=1e-4))
+    except (AttributeError, RuntimeError) as err:  # a torch build without oneDNN, or other operator signatures
+        logger.info(f"Prepacked CPU linears unavailable ({err}); drafters use F.linear.")
+        return False
 
 
 @functools.cache

@@ -81,12 +81,16 @@ def gathered_rows(
     dtype = dtype or weight.dtype
     if ids is None and dtype == weight.dtype:
         return weight
-    if torch.is_grad_enabled():
+
+    def make() -> torch.Tensor:
         return (weight if ids is None else weight[ids]).to(dtype)
+
+    if torch.is_grad_enabled():
+        return make()
     key = (weight.data_ptr(), version_counter(weight), dtype)
     if ids is not None:
         key += (ids.data_ptr(), version_counter(ids), len(ids))
-    return kept_copy(owner, "rows", weight, key, lambda: (weight if ids is None else weight[ids]).to(dtype))
+    return kept_copy(owner, "rows", weight, key, make)
 
 
 # owner -> {kind: {id(weight): (weak reference to weight, key, copy)}}. Beside the owners rather than in them: a
