@@ -35,8 +35,7 @@ def make_target(vocab_size=99, num_layers=4, seed=0, config_cls=LlamaConfig, mod
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        attn_implementation="eager",
-        **overrides,
+        **{"attn_implementation": "eager", **overrides},
     )
     model = model_cls(config).eval()
     model.generation_config.pad_token_id = None

@@ -20,7 +20,8 @@ is on (`with verifying(model):`, or the candidate generator between a draft and 
 `max_rows` is `MAX_ROWS_HEAD` for the LM head and `MAX_ROWS` for the other linears. Otherwise they run
 `nn.Linear.forward`, so the model behaves as before outside this package's verify passes. The two products agree to
 float rounding (the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False`
-to turn it off.
+to turn it off. The same flag routes an "sdpa" target's attention through SDPA's grouped-query attention for the pass
+instead of repeating its key/value cache (`verify_attention.py`; same values, 3–4 ms less per verify here).
 
 `padded_steps(model)` is the kernel-neutral baseline that `dspark-hf bench` sets beside plain decoding: within it,
 every one-token decoding step of `generate()` runs as two rows (the token twice, the second copy cropped from the
@@ -34,10 +35,11 @@ import torch
 from torch import nn
 
 from .utils import linear_few_rows
+from .verify_attention import route
 
 
 ENABLED = True
-VERSION = 2  # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear
+VERSION = 3  # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear, 3 = and sdpa's GQA unrepeated
 MIN_ROWS = 2
 MAX_ROWS_HEAD = 8  # measured: 2.5–8x faster at 2–8 rows on 2 threads, no gain beyond 8 on 1 thread
 MAX_ROWS = 5  # the layers' projections: faster at 2–5 rows on 1 and 2 threads, slower from 6 on 1 thread
@@ -102,6 +104,7 @@ def set_verifying(model, active: bool) -> None:
     state = getattr(model, _STATE, None)
     if state is not None:
         state["on"] = bool(active)
+        route(model, state["on"])  # and its attention takes SDPA's GQA (verify_attention.py)
 
 
 @contextlib.contextmanager
@@ -111,11 +114,12 @@ def verifying(model):
     if state is None:
         yield
         return
-    previous, state["on"] = state["on"], True
+    previous = state["on"]
+    set_verifying(model, True)
     try:
         yield
     finally:
-        state["on"] = previous
+        set_verifying(model, previous)
 
 
 def _pad_step(kwargs: dict) -> bool:

@@ -1,0 +1,180 @@
+"""Attention in verify passes (`verify_attention`): SDPA's GQA on the unrepeated cache, same values, only while
+verifying, and lossless end to end."""
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.cache_utils import DynamicCache
+from transformers.integrations import sdpa_attention
+
+from conftest import make_drafter, make_target
+from dspark_hf import verify_attention
+from dspark_hf.engine import Engine
+from dspark_hf.verify_attention import ATTN_IMPLEMENTATION, routable, route, verify_sdpa_attention_forward
+from dspark_hf.verify_head import attach, padded_steps, set_verifying, verifying
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def qkv(batch=2, heads=6, kv_heads=2, q=3, length=11, dim=8):
+    return torch.randn(batch, heads, q, dim), torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+
+
+def causal_mask(batch, q, length, dtype=torch.bool):
+    """(batch, 1, q, length): query i sees the cache and itself (cache of length - q), one left-padded position."""
+    mask = torch.arange(length)[None, :] <= torch.arange(length - q, length)[:, None]
+    mask = mask[None, None].repeat(batch, 1, 1, 1)
+    mask[0, ..., 0] = False  # the first sequence is left-padded by one
+    if dtype == torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def sdpa_target(family="llama", **overrides):
+    if family == "qwen3":
+        return make_target(config_cls=Qwen3Config, model_cls=Qwen3ForCausalLM, attn_implementation="sdpa", **overrides)
+    return make_target(attn_implementation="sdpa", **overrides)
+
+
+def record_sdpa(monkeypatch) -> list[bool]:
+    """Record, for each SDPA product, whether it ran as grouped-query attention with a mask (transformers' sdpa takes
+    GQA on the CPU only without one, as in a prefill)."""
+    calls, original = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(*args, **kwargs):
+        calls.append(bool(kwargs.get("enable_gqa")) and kwargs.get("attn_mask") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("q", [2, 5])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_same_values_as_sdpa_with_repeated_keys(monkeypatch, q, mask_dtype):
+    calls = record_sdpa(monkeypatch)
+    module = Attention(groups=3)
+    query, key, value = qkv(q=q)
+    mask = causal_mask(2, q, 11, mask_dtype)
+    ours, _ = verify_sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    reference, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert calls == [True, False]  # ours on the unrepeated cache, transformers' through repeat_kv
+    assert ours.shape == reference.shape == (2, q, 6, 8) and ours.is_contiguous()
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["one query", "no grouping", "no mask", "softcap", "dropout", "position bias"],
+)
+def test_every_other_case_goes_to_transformers(monkeypatch, case):
+    delegated, original = [], sdpa_attention.sdpa_attention_forward
+
+    def counted(*args, **kwargs):
+        delegated.append(case)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(verify_attention, "sdpa_attention_forward", counted)
+    groups, q, kwargs = 3, 3, {}
+    if case == "one query":
+        q = 1
+    if case == "no grouping":
+        groups = 1
+    if case == "softcap":
+        kwargs["softcap"] = 30.0
+    if case == "dropout":
+        kwargs["dropout"] = 0.1
+    if case == "position bias":
+        kwargs["position_bias"] = torch.zeros(1, 6, q, 11)
+    query, key, value = qkv(q=q, kv_heads=6 // groups)
+    mask = None if case == "no mask" else causal_mask(2, q, 11)
+    try:
+        verify_sdpa_attention_forward(Attention(groups), query, key, value, mask, **kwargs)
+    except ValueError:
+        assert case == "softcap"  # transformers' sdpa refuses a softcap itself, with its own message
+    assert delegated == [case]
+
+
+def test_routed_only_while_verifying():
+    target = sdpa_target()
+    assert routable(target) and attach(target)
+    with verifying(target):
+        assert target.config._attn_implementation == ATTN_IMPLEMENTATION
+        with verifying(target):  # nested: still routed, and the outer pass stays routed after it
+            pass
+        assert target.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert target.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError), verifying(target):
+        raise RuntimeError("a failed verify")
+    assert target.config._attn_implementation == "sdpa"  # restored however the pass ends
+    set_verifying(target, True)
+    set_verifying(target, False)
+    assert target.config._attn_implementation == "sdpa"
+
+    eager = make_target()  # eager (and flash, flex, ...) attention is never routed
+    attach(eager)
+    with verifying(eager):
+        assert eager.config._attn_implementation == "eager"
+    assert not routable(sdpa_target().to("meta"))  # not on the CPU
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setattr(verify_attention, "ENABLED", False)
+    target = sdpa_target()
+    attach(target)
+    route(target, True)
+    assert target.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_verify_logits_unchanged(family):
+    target = sdpa_target(family)
+    attach(target)
+    ids = torch.randint(0, 99, (1, 9))
+    with torch.no_grad():
+        cache = DynamicCache(config=target.config)
+        target(ids[:, :6], cache=cache, use_cache=True)
+        with verifying(target):
+            routed = target(ids[:, 6:], cache=cache, use_cache=True).logits
+        cache.crop(-3)
+        verify_attention.ENABLED = False
+        try:
+            with verifying(target):
+                plain = target(ids[:, 6:], cache=cache, use_cache=True).logits
+        finally:
+            verify_attention.ENABLED = True
+    torch.testing.assert_close(routed, plain, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_generate_identical_with_gqa_verifies(monkeypatch, family):
+    target = sdpa_target(family)
+    drafter = make_drafter(target, verify_policy="fixed")
+    ids = torch.randint(0, 99, (1, 7))
+    plain = target.generate(ids, do_sample=False, max_new_tokens=25)
+    calls = record_sdpa(monkeypatch)
+    out = target.generate(ids, do_sample=False, max_new_tokens=25, assistant_model=drafter)
+    assert torch.equal(out, plain)
+    assert calls.count(True) >= 4 * 2  # every layer of at least two verify passes
+    assert target.config._attn_implementation == "sdpa"
+
+
+def test_engine_and_padded_baseline_use_it(monkeypatch):
+    target = sdpa_target()
+    prompt = torch.randint(0, 99, (5,)).tolist()
+    plain = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)
+    calls = record_sdpa(monkeypatch)
+    engine = Engine(target, make_drafter(target), verify_policy="fixed")
+    request = engine.add_request(prompt, max_new_tokens=12)
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_ids == plain[0, 5:].tolist() and True in calls
+    calls.clear()
+    with padded_steps(target):
+        padded = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)
+    assert torch.equal(padded, plain) and calls.count(True) == 4 * 11  # 11 padded steps, 4 layers each
+    assert target.config._attn_implementation == "sdpa"
