@@ -225,11 +225,16 @@ def test_sps_for_prefers_the_checkpoint_profile_and_re_resolves_for_another_targ
     assert table is drafter.sps_profile and table != sps_table(profile)
 
 
-def test_cli_profile_writes_json_and_png(tmp_path, capsys):
+@pytest.mark.parametrize("png_arg", ["plot.png", None])  # None: beside --out
+def test_cli_profile_writes_json_and_png(tmp_path, capsys, monkeypatch, png_arg):
+    monkeypatch.chdir(tmp_path)  # a default must not write into the working directory
     make_target().save_pretrained(tmp_path / "target")
-    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    (tmp_path / "runs").mkdir()
+    out = tmp_path / "runs" / "p.json"
+    png = tmp_path / "runs" / "p.png" if png_arg is None else tmp_path / "runs" / png_arg
     argv = ["profile", "--target", str(tmp_path / "target"), "--max-tokens", "4", "--repeats", "1"]
-    code = main(argv + ["--context-len", "16", "--out", str(out), "--png", str(png), "--device", "cpu"])
+    argv += [] if png_arg is None else ["--png", str(png)]
+    code = main(argv + ["--context-len", "16", "--out", str(out), "--device", "cpu"])
     assert code == 0
     profile = load_profile(out)
     assert sorted(sps_table(profile)) == [1, 2, 3, 4] and profile["context_len"] == 16
@@ -239,6 +244,7 @@ def test_cli_profile_writes_json_and_png(tmp_path, capsys):
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed: no PNG to check")
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(["p.json", png.name])
 
 
 def test_cli_profile_takes_sparse_lengths(tmp_path):

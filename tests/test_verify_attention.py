@@ -21,7 +21,8 @@ class Attention(torch.nn.Module):
 
 
 def qkv(batch=2, heads=6, kv_heads=2, q=3, length=11, dim=8):
-    return torch.randn(batch, heads, q, dim), torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    """query (batch, heads, q, dim), key and value (batch, kv_heads, length, dim)."""
+    return torch.randn(batch, heads, q, dim), *torch.randn(2, batch, kv_heads, length, dim)
 
 
 def causal_mask(batch, q, length, dtype=torch.bool):

@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -100,7 +101,6 @@ def cmd_bench(args) -> int:
         args.prompts = args.prompts[0] if args.prompts else None
         args.drafter = args.drafter[0] if args.drafter else None
         return cmd_load_bench(args)
-    from pathlib import Path
 
     from .bench import read_prompts
     from .evaluation import format_evaluation, parse_datasets, run_evaluation
@@ -274,7 +274,6 @@ def cmd_features(args) -> int:
 def cmd_data(args) -> int:
     import json
     import logging as pylogging
-    from pathlib import Path
 
     from .training.generate_data import DataConfig, build_dataset, finalize_dataset
 
@@ -340,7 +339,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from pathlib import Path
 
     from .calibration import calibration_report, collect_confidence, fit_sts, reliability_diagram
     from .configuration_dspark import DSparkConfig
@@ -416,10 +414,11 @@ def cmd_profile(args) -> int:
             f"{tokens:>4} {profile['verify_ms_measured'][key]:>12.2f} {profile['verify_ms'][key]:>10.2f} {sps:>9.1f}"
         )
     print(f"wrote {args.out} (put it in the drafter checkpoint's folder for verify_policy='scheduler')")
-    if args.png:
+    png = str(Path(args.out).with_suffix(".png")) if args.png is None else args.png
+    if png:
         try:
-            plot_profile(profile, args.png)
-            print(f"wrote {args.png}")
+            plot_profile(profile, png)
+            print(f"wrote {png}")
         except ImportError as e:
             print(f"no plot: {e}")
     return 0
@@ -555,7 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     profile.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     profile.add_argument("--out", default="sps_profile.json")
-    profile.add_argument("--png", default="sps_profile.png", help="plot path ('' for none; needs matplotlib)")
+    profile.add_argument(
+        "--png", default=None, help="plot path (default: beside --out, as .png; '' for none; needs matplotlib)"
+    )
     profile.set_defaults(func=cmd_profile)
 
     cal = sub.add_parser("calibrate", help="fit STS temperatures on held-out data, store them in the checkpoint")

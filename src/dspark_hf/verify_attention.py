@@ -56,7 +56,7 @@ def verify_sdpa_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    # Deviation from sdpa_attention_forward: enable_gqa instead of repeat_kv (with a mask, is_causal is False there too)
+    # Deviation from sdpa_attention_forward: enable_gqa, not repeat_kv (with a mask, is_causal is False there too)
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
     )
