@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
+from dspark_hf import calibration
 from dspark_hf.calibration import (
     auroc,
     calibration_report,
     collect_confidence,
+    cross_fitted_survival,
     expected_calibration_error,
     fit_sts,
     reliability_diagram,
@@ -39,6 +41,31 @@ def test_sts_lowers_ece_and_keeps_ranking():
         assert report["after"]["ece"][k] < report["before"]["ece"][k] / 2
         assert report["after"]["auroc"][0] == pytest.approx(report["before"]["auroc"][0])
     assert temps[0] == pytest.approx(3.0, rel=0.25)  # recovers the over-confidence factor at position 1
+
+
+def test_cross_fitted_scores_each_block_under_temperatures_fitted_elsewhere(monkeypatch):
+    logits, labels = synthetic()
+    report = calibration_report(logits, labels, fit_sts(logits, labels), folds=2)
+    assert report["folds"] == 2 and len(report["cross_fitted"]["ece"]) == 3
+    for k in range(3):  # real over-confidence: STS fitted on half the blocks still helps on the other half
+        assert report["cross_fitted"]["ece"][k] < report["before"]["ece"][k] / 2
+
+    fitted_on = []
+    original = calibration.fit_sts
+
+    def recording(fit_logits, fit_labels, **kwargs):
+        fitted_on.append({tuple(row.tolist()) for row in fit_logits})
+        return original(fit_logits, fit_labels, **kwargs)
+
+    monkeypatch.setattr(calibration, "fit_sts", recording)
+    small_logits, small_labels = logits[:40], labels[:40]
+    cross_fitted_survival(small_logits, small_labels, folds=4)
+    every = {tuple(row.tolist()) for row in small_logits}
+    assert len(fitted_on) == 4 and all(len(rows) == 30 for rows in fitted_on)  # 3 of 4 folds each time
+    assert set.union(*[every - rows for rows in fitted_on]) == every  # each block held out exactly once
+    with pytest.raises(ValueError, match="folds"):
+        cross_fitted_survival(small_logits, small_labels, folds=1)
+    assert "cross_fitted" not in calibration_report(logits, labels, torch.ones(3), folds=0)
 
 
 def test_collect_confidence_and_reliability_png(tmp_path):
@@ -88,3 +115,4 @@ def test_calibrate_cli_writes_temperatures_into_the_checkpoint(tmp_path):
     report = json.loads((tmp_path / "drafter/calibration.json").read_text())
     drafter = DSparkDraftModel.from_pretrained(tmp_path / "drafter")
     assert drafter.config.sts_temperatures == pytest.approx(report["temperatures"])
+    assert len(report["cross_fitted"]["ece"]) == 3 and report["folds"] == 2

@@ -126,7 +126,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
             }
         )
     reached, accepted = pooled.position_counts()
-    tps, plain_tps = _rate(decoded), _rate(plain)
+    tps, plain_tps = tokens / seconds if seconds else 0.0, _rate(plain)
     padded_tps = _rate(padded) if padded else None
     return {
         "dataset": dataset,

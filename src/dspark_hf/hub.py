@@ -163,17 +163,27 @@ def model_card(
         ]
     if calibration:
         before, after = calibration.get("before") or {}, calibration.get("after") or {}
+        crossed = calibration.get("cross_fitted")  # reports before 2026-12-04 have none
+        header = "| position | temperature | ECE before | ECE after |" + (" ECE cross-fitted |" if crossed else "")
         lines += [
             "## Calibration (STS)",
             "",
-            f"{calibration.get('num_blocks')} held-out blocks; ECE of the cumulative survival per position.",
+            f"{calibration.get('num_blocks')} held-out blocks; ECE of the cumulative survival per position."
+            + (
+                " The cross-fitted column scores each block under temperatures fitted on the other blocks"
+                f" ({calibration.get('folds')} folds): whether STS helps beyond the blocks it was fitted on."
+                if crossed
+                else ""
+            ),
             "",
-            "| position | temperature | ECE before | ECE after | AUROC |",
-            "|---|---|---|---|---|",
+            header + " AUROC |",
+            "|---|---|---|---|" + ("---|" if crossed else "") + "---|",
         ]
         for k, temp in enumerate(calibration.get("temperatures") or []):
-            ece_b, ece_a = _fmt(_at(before.get("ece"), k), 4), _fmt(_at(after.get("ece"), k), 4)
-            lines.append(f"| {k + 1} | {temp:.3f} | {ece_b} | {ece_a} | {_fmt(_at(after.get('auroc'), k), 3)} |")
+            row = [f"{k + 1}", f"{temp:.3f}", _fmt(_at(before.get("ece"), k), 4), _fmt(_at(after.get("ece"), k), 4)]
+            if crossed:
+                row.append(_fmt(_at(crossed.get("ece"), k), 4))
+            lines.append("| " + " | ".join([*row, _fmt(_at(after.get("auroc"), k), 3)]) + " |")
         lines.append("")
     if training:
         lines += ["## Training", "", "```json", json.dumps(training, indent=2, default=str), "```", ""]
