@@ -3,7 +3,16 @@ verifying, and lossless end to end."""
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.cache_utils import DynamicCache
 from transformers.integrations import sdpa_attention
 
@@ -35,10 +44,19 @@ def causal_mask(batch, q, length, dtype=torch.bool):
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
 
 
+FAMILIES = {  # (config class, model class, overrides): sliding windows give Mistral and Gemma 3 their own masks
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 6}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"sliding_window": 6}),
+}
+
+
 def sdpa_target(family="llama", **overrides):
-    if family == "qwen3":
-        return make_target(config_cls=Qwen3Config, model_cls=Qwen3ForCausalLM, attn_implementation="sdpa", **overrides)
-    return make_target(attn_implementation="sdpa", **overrides)
+    config_cls, model_cls, fields = FAMILIES[family]
+    return make_target(
+        config_cls=config_cls, model_cls=model_cls, attn_implementation="sdpa", **{**fields, **overrides}
+    )
 
 
 def record_sdpa(monkeypatch) -> list[bool]:
@@ -151,11 +169,14 @@ def test_verify_logits_unchanged(family):
     torch.testing.assert_close(routed, plain, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_generate_identical_with_gqa_verifies(monkeypatch, family):
-    target = sdpa_target(family)
-    drafter = make_drafter(target, verify_policy="fixed")
-    ids = torch.randint(0, 99, (1, 7))
+@pytest.mark.parametrize(
+    "family, dtype",
+    [("llama", torch.float32), ("qwen3", torch.float32), ("mistral", torch.float32), ("gemma3", torch.bfloat16)],
+)
+def test_generate_identical_with_gqa_verifies(monkeypatch, family, dtype):
+    target = sdpa_target(family).to(dtype)
+    drafter = make_drafter(target, verify_policy="fixed").to(dtype)
+    ids = torch.randint(0, 99, (1, 9))  # longer than the sliding windows
     plain = target.generate(ids, do_sample=False, max_new_tokens=25)
     calls = record_sdpa(monkeypatch)
     out = target.generate(ids, do_sample=False, max_new_tokens=25, assistant_model=drafter)
