@@ -47,6 +47,24 @@ def test_draft_logits_are_the_full_logits_on_the_draft_vocabulary(target):
     torch.testing.assert_close(drafter.draft_base_logits(hidden, lm_head)[..., HALF], 2 * base[..., HALF])
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_with_a_bias_keeps_its_gathered_bias(target, dtype):
+    drafter = make_drafter(target).to(dtype)
+    hidden = block_hidden(drafter, target)
+    head = torch.nn.Linear(target.config.hidden_size, 99, bias=True)  # float32, like the target's
+    torch.nn.init.normal_(head.bias)
+    full = drafter.draft_base_logits(hidden, head)
+    drafter.set_draft_vocab(HALF)
+    base = drafter.draft_base_logits(hidden, head)
+    tolerance = {} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(base[..., HALF], full[..., HALF], **tolerance)
+    kept = {tuple(t.shape) for t in kept_copies(drafter, "rows")}
+    assert kept == {(len(HALF), target.config.hidden_size), (len(HALF),)}  # the rows and the bias, gathered once
+    head.bias.add_(1.0)  # changed in place: the kept bias is rebuilt
+    torch.testing.assert_close(drafter.draft_base_logits(hidden, head)[..., HALF], base[..., HALF] + 1, **tolerance)
+
+
 def test_sampled_blocks_stay_in_the_draft_vocabulary(target):
     drafter = make_drafter(target, verify_policy="fixed")
     drafter.set_draft_vocab(HALF)

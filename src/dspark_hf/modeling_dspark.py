@@ -239,7 +239,7 @@ class DrafterMixin:
             # the rows are kept between no-grad calls (inference, evaluation) when gathered or cast
             weight = gathered_rows(self, weight, vocab_ids, self.dtype if narrower else None)
             if bias is not None:
-                bias = (bias if vocab_ids is None else bias[vocab_ids]).to(weight.dtype)
+                bias = gathered_rows(self, bias, vocab_ids, weight.dtype)
             logits = packed_linear.linear(hidden_states.to(weight.dtype), weight, bias, owner=self).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
