@@ -1,10 +1,12 @@
-"""Time the target's verify forward with and without the few-rows products (`dspark_hf.verify_head`) on the embedded
-SmolLM2 target, side by side (median of 15 rounds, each round visiting every case once).
+"""Time the target's verify forward with and without the few-rows products (`dspark_hf.verify_head`) and the
+grouped-query attention on the unrepeated cache (`dspark_hf.verify_attention`) on the embedded SmolLM2 target, side
+by side (median of 15 rounds, each round visiting every case once).
 
     python examples/time_verify_head.py
 
 Prints, per verify width (anchor + drafts), the milliseconds of the LM-head product alone and of a whole target
-forward over a 256-token cache, as `nn.Linear` computes them and with the few-rows products.
+forward over a 256-token cache: as `nn.Linear` and transformers' sdpa compute them, with the few-rows products, and
+with both (what a verify pass runs).
 """
 
 import statistics
@@ -13,7 +15,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dspark_hf import verify_head
+from dspark_hf import verify_attention, verify_head
 from dspark_hf.default import load_default_target
 
 
@@ -32,17 +34,19 @@ def main() -> None:
     target(input_ids=torch.randint(0, vocab, (1, 256), generator=generator), cache=cache, use_cache=True)
     hidden = {k: torch.randn(1, k, hidden_size, generator=generator) for k in WIDTHS}
     ids = {k: torch.randint(0, vocab, (1, k), generator=generator) for k in WIDTHS}
-    times = {(what, k, fast): [] for what in ("head", "forward") for k in WIDTHS for fast in (False, True)}
+    modes = {"head": ("linear", "few rows"), "forward": ("linear", "few rows", "both")}
+    times = {(what, k, mode): [] for what, kinds in modes.items() for k in WIDTHS for mode in kinds}
 
-    def run(what, k, fast):
-        verify_head.set_verifying(target, fast)
+    def run(what, k, mode):
+        verify_attention.ENABLED = mode == "both"
+        verify_head.set_verifying(target, mode != "linear")
         start = time.perf_counter()
         if what == "head":
             head(hidden[k])
         else:
             target(input_ids=ids[k], cache=cache, use_cache=True)
             cache.crop(-k)
-        times[what, k, fast].append(1e3 * (time.perf_counter() - start))
+        times[what, k, mode].append(1e3 * (time.perf_counter() - start))
 
     for i in range(17):  # 2 warm-up rounds
         for case in times:
@@ -51,12 +55,17 @@ def main() -> None:
             for values in times.values():
                 values.clear()
     verify_head.set_verifying(target, False)
-    print(f"{'width':>5}  {'LM head: linear':>15}  {'few rows':>8}  {'forward: linear':>15}  {'few rows':>8}")
+    verify_attention.ENABLED = True
+    print(
+        f"{'width':>5}  {'LM head: linear':>15}  {'few rows':>8}  {'forward: linear':>15}  {'few rows':>8}  "
+        f"{'+ GQA':>8}"
+    )
     for k in WIDTHS:
         med = {key: statistics.median(v) for key, v in times.items() if key[1] == k}
         print(
-            f"{k:5d}  {med['head', k, False]:12.1f} ms  {med['head', k, True]:5.1f} ms  "
-            f"{med['forward', k, False]:12.1f} ms  {med['forward', k, True]:5.1f} ms"
+            f"{k:5d}  {med['head', k, 'linear']:12.1f} ms  {med['head', k, 'few rows']:5.1f} ms  "
+            f"{med['forward', k, 'linear']:12.1f} ms  {med['forward', k, 'few rows']:5.1f} ms  "
+            f"{med['forward', k, 'both']:5.1f} ms"
         )
 
 
