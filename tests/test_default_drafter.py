@@ -1,0 +1,58 @@
+"""The shipped default drafter's folder is consistent with the code that loads it (no target needed).
+
+A verify kernel change that leaves the shipped SPS profile behind would make every `load_default()` ignore it and
+take a quick profile instead; a recalibration that forgets the config would ship mismatched temperatures.
+"""
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from dspark_hf import DSparkConfig, verify_head
+from dspark_hf.default import DEFAULT_DRAFTER_DIR
+from dspark_hf.profiling import load_profile, sps_table
+
+
+CONFIG = DSparkConfig.from_pretrained(DEFAULT_DRAFTER_DIR)
+
+
+def test_weights_are_safetensors_under_40_mb_and_match_the_config():
+    weights = DEFAULT_DRAFTER_DIR / "model.safetensors"
+    assert weights.stat().st_size < 40 * 2**20
+    with safe_open(weights, framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("draft_vocab_ids").get_shape() == [CONFIG.draft_vocab_size]
+    assert sum(name.startswith("layers.") for name in names) > 0
+    assert {int(name.split(".")[1]) for name in names if name.startswith("layers.")} == set(
+        range(CONFIG.num_hidden_layers)
+    )
+
+
+def test_sps_profile_matches_what_the_verify_passes_run():
+    profile = load_profile(DEFAULT_DRAFTER_DIR / "sps_profile.json")
+    assert profile["verify_head"] == verify_head.VERSION, (
+        "the shipped sps_profile.json was timed with other verify kernels: re-take it with `dspark-hf profile "
+        "--lengths 1-16,24,32,48,64,96,128 --context-len 256 --repeats 15` (docs/results.md)"
+    )
+    assert (profile["device"], profile["dtype"]) == ("cpu", "float32")
+    target = profile["target"]
+    assert (target["model_type"], target["hidden_size"], target["vocab_size"]) == (
+        CONFIG.target_model_type,
+        CONFIG.hidden_size,
+        CONFIG.vocab_size,
+    )
+    assert max(CONFIG.target_layer_ids) < target["num_hidden_layers"]
+    assert max(sps_table(profile)) >= CONFIG.block_size + 1  # the whole block and its anchor can be priced
+
+
+def test_calibration_report_matches_the_config():
+    report = json.loads((DEFAULT_DRAFTER_DIR / "calibration.json").read_text())
+    assert CONFIG.sts_temperatures == pytest.approx(report["temperatures"])
+    assert len(report["before"]["ece"]) == len(report["after"]["ece"]) == CONFIG.block_size
+
+
+def test_model_card_reports_measured_results():
+    card = (DEFAULT_DRAFTER_DIR / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: dspark-hf")
+    assert "| mt-bench | 4 |" in card and "## Calibration (STS)" in card and "Profiled on cpu (float32)" in card
