@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.integrations import sdpa_attention
 
 from conftest import make_drafter, make_target
-from dspark_hf import verify_attention
+from dspark_hf import verify_attention, verify_head
 from dspark_hf.engine import Engine
 from dspark_hf.verify_attention import ATTN_IMPLEMENTATION, routable, route, verify_sdpa_attention_forward
 from dspark_hf.verify_head import attach, padded_steps, set_verifying, verifying
@@ -142,15 +142,23 @@ def test_routed_only_while_verifying():
 
 
 def test_switch_off(monkeypatch):
-    monkeypatch.setattr(verify_attention, "ENABLED", False)
     target = sdpa_target()
     attach(target)
+    assert verify_head.version(target) == verify_head.VERSION == 3
+    monkeypatch.setattr(verify_attention, "ENABLED", False)
     route(target, True)
     assert target.config._attn_implementation == "sdpa"
+    assert verify_head.version(target) == 2  # profiles taken now record the kernels without the attention
+
+
+def test_profiles_record_whether_the_attention_is_routed():
+    assert verify_head.version(make_target()) == 2  # eager: few-rows products only
+    assert verify_head.version(sdpa_target()) == 3
+    assert verify_head.version(sdpa_target().to(torch.bfloat16)) == 0  # no few-rows products at all
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_verify_logits_unchanged(family):
+def test_verify_logits_unchanged(monkeypatch, family):
     target = sdpa_target(family)
     attach(target)
     ids = torch.randint(0, 99, (1, 9))
@@ -160,12 +168,9 @@ def test_verify_logits_unchanged(family):
         with verifying(target):
             routed = target(ids[:, 6:], cache=cache, use_cache=True).logits
         cache.crop(-3)
-        verify_attention.ENABLED = False
-        try:
-            with verifying(target):
-                plain = target(ids[:, 6:], cache=cache, use_cache=True).logits
-        finally:
-            verify_attention.ENABLED = True
+        monkeypatch.setattr(verify_attention, "ENABLED", False)
+        with verifying(target):
+            plain = target(ids[:, 6:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(routed, plain, rtol=0, atol=1e-6)
 
 

@@ -34,8 +34,9 @@ import contextlib
 import torch
 from torch import nn
 
+from . import verify_attention
 from .utils import linear_few_rows
-from .verify_attention import route
+from .verify_attention import routable, route
 
 
 ENABLED = True
@@ -79,9 +80,11 @@ def eligible(model) -> bool:
 
 
 def version(model) -> int:
-    """The few-rows version this model's verifies run with (`VERSION`, or 0 when none applies); SPS profiles
-    record it."""
-    return VERSION if ENABLED and eligible(model) else 0
+    """The verify kernels this model's verifies run with, which SPS profiles record: 0 when the few-rows products do
+    not apply, `VERSION` when its attention is routed as well (`verify_attention.routable`), else 2."""
+    if not (ENABLED and eligible(model)):
+        return 0
+    return VERSION if verify_attention.ENABLED and routable(model) else 2
 
 
 def attach(model) -> int:
