@@ -58,10 +58,15 @@ def test_model_card_is_built_from_measured_results(target):
     assert "Profiled on cpu (float32)" in card and "1: 10.5, 2: 8.2, 10: 5.0" in card  # sorted by verify size
     assert "64 held-out blocks" in card
     assert "| 1 | 1.500 | 0.1234 | 0.0123 | 0.700 |" in card and "| 2 | 0.800 | 0.2000 | 0.0500 | - |" in card
+    assert "\n| position | temperature | ECE before | ECE after | AUROC |\n|---|---|---|---|---|\n" in card
     assert '"train_tokens": 12345' in card
     crossed = {**CALIBRATION, "cross_fitted": {"ece": [0.0456, 0.06], "auroc": [0.7, None], "brier": [0.1, 0.1]}}
     card = model_card(drafter.config, calibration={**crossed, "folds": 2})
-    assert "ECE after | ECE cross-fitted | AUROC |" in card and "(2 folds)" in card
+    assert (
+        "\n| position | temperature | ECE before | ECE after | ECE cross-fitted | AUROC |\n|---|---|---|---|---|---|\n"
+        in card
+    )
+    assert "(2 folds)" in card
     assert "| 1 | 1.500 | 0.1234 | 0.0123 | 0.0456 | 0.700 |" in card
     drafter.config.target_revision = None
     bare = model_card(drafter.config)

@@ -164,20 +164,21 @@ def model_card(
     if calibration:
         before, after = calibration.get("before") or {}, calibration.get("after") or {}
         crossed = calibration.get("cross_fitted")  # reports before 2026-12-04 have none
-        header = "| position | temperature | ECE before | ECE after |" + (" ECE cross-fitted |" if crossed else "")
+        cross_column = ["ECE cross-fitted"] if crossed else []
+        columns = ["position", "temperature", "ECE before", "ECE after", *cross_column, "AUROC"]
+        intro = f"{calibration.get('num_blocks')} held-out blocks; ECE of the cumulative survival per position."
+        if crossed:
+            intro += (
+                " The cross-fitted column scores each block under temperatures fitted on the other blocks"
+                f" ({calibration.get('folds')} folds): whether STS helps beyond the blocks it was fitted on."
+            )
         lines += [
             "## Calibration (STS)",
             "",
-            f"{calibration.get('num_blocks')} held-out blocks; ECE of the cumulative survival per position."
-            + (
-                " The cross-fitted column scores each block under temperatures fitted on the other blocks"
-                f" ({calibration.get('folds')} folds): whether STS helps beyond the blocks it was fitted on."
-                if crossed
-                else ""
-            ),
+            intro,
             "",
-            header + " AUROC |",
-            "|---|---|---|---|" + ("---|" if crossed else "") + "---|",
+            "| " + " | ".join(columns) + " |",
+            "|---" * len(columns) + "|",
         ]
         for k, temp in enumerate(calibration.get("temperatures") or []):
             row = [f"{k + 1}", f"{temp:.3f}", _fmt(_at(before.get("ece"), k), 4), _fmt(_at(after.get("ece"), k), 4)]
