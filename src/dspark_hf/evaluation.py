@@ -89,17 +89,21 @@ def _mismatch(index: int, plain: torch.Tensor, other: torch.Tensor) -> dict:
     return {"index": index, "first_difference": first, "plain_new_tokens": plain.numel(), "new_tokens": other.numel()}
 
 
-def _rate(decoded) -> float:
-    """Tokens per second over a list of `_decode` results (0 when none)."""
-    seconds = sum(d[1] for d in decoded)
-    return sum(d[0].numel() for d in decoded) / seconds if seconds else 0.0
+def _totals(decoded) -> tuple[int, float]:
+    """(new tokens, seconds) summed over a list of `_decode` results."""
+    return sum(d[0].numel() for d in decoded), sum(d[1] for d in decoded)
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    """Tokens per second (0 when nothing was timed)."""
+    return tokens / seconds if seconds else 0.0
 
 
 def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None) -> dict:
     """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes."""
     stats = [s for _, _, s, _ in decoded]
     pooled = _pool(stats)
-    seconds, tokens = sum(d[1] for d in decoded), sum(d[0].numel() for d in decoded)
+    tokens, seconds = _totals(decoded)
     draft_ms = [1e3 * r.seconds for d in decoded for r in d[3] if not r.first]
     per_prompt, mismatches = [], []
     for i, ((out, secs, s, rounds), ref, ids) in enumerate(zip(decoded, plain, prompts)):
@@ -126,8 +130,8 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
             }
         )
     reached, accepted = pooled.position_counts()
-    tps, plain_tps = tokens / seconds if seconds else 0.0, _rate(plain)
-    padded_tps = _rate(padded) if padded else None
+    tps, plain_tps = _rate(tokens, seconds), _rate(*_totals(plain))
+    padded_tps = _rate(*_totals(padded)) if padded else None
     return {
         "dataset": dataset,
         "temperature": temperature,
@@ -173,14 +177,15 @@ def _baseline_entry(dataset, temperature, prompts, plain, padded=None) -> dict:
             row["seconds_padded"] = secs
         if temperature == 0:
             padded_identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, padded))
+    tokens, seconds = _totals(plain)
     return {
         "dataset": dataset,
         "temperature": temperature,
         "num_prompts": len(plain),
-        "new_tokens": sum(d[0].numel() for d in plain),
-        "seconds": sum(d[1] for d in plain),
-        "tokens_per_second": _rate(plain),
-        "tokens_per_second_padded": _rate(padded) if padded else None,
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": _rate(tokens, seconds),
+        "tokens_per_second_padded": _rate(*_totals(padded)) if padded else None,
         "padded_identical": padded_identical,
         "per_prompt": per_prompt,
     }
