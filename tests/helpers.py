@@ -1,42 +1,63 @@
 """Test helpers: pinned (oracle / diverging) drafters and a tiny word-level tokenizer."""
 
+import weakref
+
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from dspark_hf.candidate_generator import DSparkCandidateGenerator
 
-def pin_drafter(drafter, sequence: torch.Tensor, diverge_at: int | None = None):
-    """Make `drafter` propose the tokens of `sequence` (1, L) that follow the current prefix.
 
-    The base logits are replaced by ±1e4 one-hot logits, which dominate the (random) Markov bias, so the real
-    sequential head, confidence head and truncation still run. With `diverge_at=k` the draft at block slot k
-    (0-based) is deliberately wrong, so exactly k drafts survive each full round.
+_PINNED = weakref.WeakKeyDictionary()  # drafter -> the rows being drafted for, while `propose` runs
+_propose = DSparkCandidateGenerator.propose
+
+
+def _pinned_propose(self, rows, *args, **kwargs):
+    if self.drafter not in _PINNED:
+        return _propose(self, rows, *args, **kwargs)
+    _PINNED[self.drafter]["rows"] = rows
+    try:
+        return _propose(self, rows, *args, **kwargs)
+    finally:
+        _PINNED[self.drafter]["rows"] = None
+
+
+DSparkCandidateGenerator.propose = _pinned_propose
+
+
+def pin_drafter(drafter, sequences, diverge_at: int | None = None):
+    """Make `drafter` propose, for each row being decoded, the tokens of its reference sequence that follow it.
+
+    sequences: a (B, L) tensor or a list of token lists, unpadded; a row drafts from the reference its committed
+    tokens are a prefix of. The base logits are replaced by ±1e4 one-hot logits, which dominate the (random) Markov
+    bias, so the real sequential head, confidence head and verify policy still run. With `diverge_at=k` the draft at
+    block slot k (0-based) is deliberately wrong, so exactly k drafts survive each full round.
     """
-    original = drafter.sample_block
+    references = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
     vocab = drafter.config.vocab_size
-    tokens = sequence[0].tolist()
+    state = _PINNED[drafter] = {"rows": None, "hidden": None}
 
-    def sample_block(hidden_states, sequence_ids, lm_head, *args, **kwargs):
-        start = sequence_ids.shape[1]
+    def keep_hidden(module, args, kwargs, output):
+        state["hidden"] = output.last_hidden_state
 
-        def base_logits(h, _lm_head):
-            k = h.shape[1]
-            # h is hidden_states[:, o : o + k] (sample_block may ask for the block's positions in two parts)
-            o = next(o for o in range(hidden_states.shape[1]) if torch.equal(hidden_states[:, o : o + k], h))
-            pinned = [tokens[start + o + j] if start + o + j < len(tokens) else 0 for j in range(k)]
-            if diverge_at is not None and 0 <= diverge_at - o < k:
-                pinned[diverge_at - o] = (pinned[diverge_at - o] + 1) % vocab
-            logits = torch.full((1, k, vocab), -1e4)
-            logits[0, torch.arange(k), torch.tensor(pinned)] = 1e4
-            return logits
+    def draft_base_logits(h, lm_head):
+        hidden, k = state["hidden"], h.shape[1]
+        # h is hidden[:, o : o + k] (the block's positions may be asked for in two parts)
+        o = next(o for o in range(hidden.shape[1]) if torch.equal(hidden[:, o : o + k], h))
+        logits = torch.full((h.shape[0], k, vocab), -1e4)
+        for r, row in enumerate(state["rows"]):
+            ref = next(s for s in references if s[: len(row.seq)] == row.seq)
+            for j in range(k):
+                index = len(row.seq) + o + j  # block slot o + j predicts this token
+                token = ref[index] if index < len(ref) else 0
+                if diverge_at is not None and o + j == diverge_at:
+                    token = (token + 1) % vocab
+                logits[r, j, token] = 1e4
+        return logits
 
-        drafter.base_logits = base_logits
-        try:
-            return original(hidden_states, sequence_ids, lm_head, *args, **kwargs)
-        finally:
-            del drafter.base_logits
-
-    drafter.sample_block = sample_block
+    drafter.register_forward_hook(keep_hidden, with_kwargs=True)
+    drafter.draft_base_logits = draft_base_logits
     return drafter
 
 

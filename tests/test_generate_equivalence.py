@@ -140,19 +140,22 @@ def test_pipeline_with_assistant_model(target, drafter):
     assert drafter.generation_stats.num_new_tokens == 12
 
 
-def test_return_dict_with_hidden_states(target, drafter):
+def test_return_dict_with_scores(target, drafter):
     ids = torch.randint(0, 99, (1, 5))
-    ref = greedy(target, ids, max_new_tokens=10, return_dict_in_generate=True, output_hidden_states=True)
-    out = greedy(
-        target,
-        ids,
-        max_new_tokens=10,
-        return_dict_in_generate=True,
-        output_hidden_states=True,
-        assistant_model=drafter,
-    )
+    kw = dict(max_new_tokens=10, return_dict_in_generate=True, output_scores=True, repetition_penalty=1.2)
+    ref = greedy(target, ids, **kw)
+    out = greedy(target, ids, assistant_model=drafter, **kw)
     assert torch.equal(ref.sequences, out.sequences)
-    assert out.hidden_states is not None
+    assert len(out.scores) == len(ref.scores) == 10
+    for a, b in zip(ref.scores, out.scores):
+        assert torch.allclose(a, b, atol=1e-4)  # the processed logits each token was chosen from
+
+
+def test_hidden_states_are_refused_by_name(target, drafter):
+    ids = torch.randint(0, 99, (1, 5))
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        greedy(target, ids, max_new_tokens=4, return_dict_in_generate=True, output_hidden_states=True,
+               assistant_model=drafter)  # fmt: skip
 
 
 def test_qwen3_target_with_qk_norm():
@@ -173,14 +176,12 @@ def test_repetition_penalty_processor_is_applied_to_drafts(target, drafter):
     assert torch.equal(greedy(target, ids, **kw), greedy(target, ids, assistant_model=drafter, **kw))
 
 
-def test_uncroppable_cache_is_refused(target, drafter):
-    class FrozenCache(DynamicCache):
-        @property
-        def is_croppable(self):
-            return False
-
-    with pytest.raises(ValueError, match="crop"):
-        greedy(target, torch.randint(0, 99, (1, 5)), max_new_tokens=5, assistant_model=drafter, cache=FrozenCache())
+def test_a_filled_cache_is_refused(target, drafter):
+    ids = torch.randint(0, 99, (1, 5))
+    cache = DynamicCache()
+    target(ids, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="filled `cache`"):
+        greedy(target, torch.randint(0, 99, (1, 7)), max_new_tokens=5, assistant_model=drafter, cache=cache)
 
 
 def test_left_padded_prompt(target, drafter):

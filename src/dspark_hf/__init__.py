@@ -1,13 +1,14 @@
 """dspark-hf: DSpark speculative decoding for Hugging Face transformers.
 
 import dspark_hf
-target.generate(**inputs, assistant_model=drafter)   # routed to DSpark, lossless
+target.generate(**inputs, assistant_model=drafter)   # batched, lossless
+target.generate(**inputs, custom_generate=dspark_hf.speculative_generate, drafter=drafter)   # the same, no routing
 """
 
 from .configuration_dspark import DSparkConfig
 from .configuration_eagle3 import Eagle3Config
 from .engine import Engine, Request
-from .generation import disable, enable, generate
+from .generation import generate, speculative_generate
 from .modeling_dspark import DSparkDraftModel, DSparkPreTrainedModel
 from .modeling_eagle3 import Eagle3DraftModel
 from .registration import register
@@ -36,10 +37,9 @@ __all__ = [
     "Eagle3DraftModel",
     "Engine",
     "Request",
-    "disable",
-    "enable",
     "generate",
     "load_default",
     "prefix_schedule",
     "register",
+    "speculative_generate",
 ]

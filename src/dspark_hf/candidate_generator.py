@@ -1,247 +1,236 @@
-"""`DSparkCandidateGenerator`: the adapter between transformers' assisted-decoding loop and a DSpark drafter.
+"""Candidate generators: the draft step of the round (`core.py`), one class per drafter kind.
 
-`DrafterCandidateGenerator` is what every drafter of this package shares with it (target taps, the drafter's
-context bookkeeping, stop strings, statistics); a subclass implements `draft` (EAGLE-3: `Eagle3CandidateGenerator`).
+A candidate generator proposes drafts for every row of the batch at once and keeps the drafter's own state between
+rounds. `propose(rows, caps, policy)` returns a `core.Drafts`: the draft tokens, the processed draft logits they were
+drawn from (what rejection sampling compares against) and, where the drafter has a confidence head, the calibrated
+conditional acceptance of each position examined. The policy then chooses how many to verify.
 
-Each round of `generate()` (batch size 1):
-  gate     under verify_policy "scheduler" (and `config.draft_gate`): skip the draft when it is not expected to pay
-           (`scheduler.DraftGate`); the round is then a plain step and its features wait for the next draft;
-  draft    append the target features of the tokens committed since the last draft to the drafter's context
-           cache, run one parallel block pass, crop the block's own K/V again;
-  schedule sample the block token by token through the sequential head, stopping where the admission policy
-           (confidence threshold or Algorithm 1) says verification no longer pays;
-  verify / accept / commit / crop: done by transformers' loop, against the processed biased draft logits we return,
-           so greedy output is token-identical and sampling is exact rejection sampling. Between a draft and its
-           verify the target's CPU float32 linears compute their few rows the fast way (`verify_head`); the
-           drafter's CPU linears always do, through packed weights (`packed_linear`).
+- `DSparkCandidateGenerator` (DSpark, DFlash mode included): each row appends the target features it committed
+  since its last draft to the drafter's ragged context cache; one parallel block pass over [anchor, mask, ...] for
+  every row; then the block is sampled position by position through the sequential head, the confidence head
+  scoring each position before its token exists (DSpark §3.5), until the policy's lengths are settled.
+- `Eagle3CandidateGenerator`: an EAGLE-3 drafter feeds its own output back, one forward per draft, row by row.
+
+transformers' `CandidateGenerator` interface is batch-1 (one (1, L) tensor in, candidates and logits out); these
+keep its role, not its signature, since rows here hold different numbers of tokens. To add a drafter kind, write a
+class with `block_size`, `taps`, `cache`, `add_rows`, `select`, `reset` and `propose`, and name it in
+`candidate_generator_for`.
 """
-
-import time
-from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import DynamicCache
-from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .generation import eos_token_ids
+from .configuration_dspark import EARLY_DRAFT_POSITIONS
 from .packed_linear import pack_linears
-from .profiling import sps_for
-from .scheduler import DraftGate, build_admission, conditional_confidences
-from .stats import DSparkGenerationStats
-from .verify_head import attach, set_verifying
+from .ragged_cache import RaggedCache
+from .rows import Drafts, choose_tokens, process_logits
 
 
-if TYPE_CHECKING:  # custom_generate/ ships this module without the modeling code
-    from .modeling_dspark import DSparkBlockDraft
+def candidate_generator_for(drafter, target):
+    """The candidate generator for one of this package's drafters (dispatch on `config.model_type`, so a drafter
+    loaded with `trust_remote_code` works too)."""
+    model_type = getattr(getattr(drafter, "config", None), "model_type", None)
+    if model_type == "dspark":
+        return DSparkCandidateGenerator(drafter, target)
+    if model_type == "dspark_eagle3":
+        return Eagle3CandidateGenerator(drafter, target)
+    raise TypeError(
+        f"The drafter must be a DSpark or EAGLE-3 drafter of this package (config.model_type 'dspark' or "
+        f"'dspark_eagle3'), got {type(drafter).__name__} with model_type {model_type!r}."
+    )
 
 
-class DrafterCandidateGenerator(CandidateGenerator):
-    """Drafts from the target's own hidden states with one of this package's drafters; subclasses implement `draft`.
+class _Generator:
+    """What both drafter kinds share: the borrowed embedding and LM head, the target layers tapped."""
 
-    Args:
-        drafter: a `DrafterMixin` model (or its remote-code twin) whose config is a `DrafterConfig`.
-        target: the model running `generate()`; its embedding and LM head are borrowed by the drafter.
-        generation_config: the call's `GenerationConfig` (`do_sample`, `max_length`, EOS ids).
-        logits_processor: the call's processors and warpers; draft logits go through the same ones.
-    """
-
-    requires_model_outputs = True
-
-    def __init__(self, drafter, target, generation_config, logits_processor=None, input_ids=None, tokenizer=None):
-        config = drafter.config
-        config.check_target(target.config, tokenizer)
-        if input_ids is not None and input_ids.shape[0] != 1:
-            raise ValueError(
-                f"{type(drafter).__name__} in generate() drafts for one sequence at a time, got a batch of "
-                f"{input_ids.shape[0]}. Call generate() per prompt (pipelines do this with batch_size=1)."
-            )
-        self.drafter, self.config = drafter, config
+    def __init__(self, drafter, target):
+        self.drafter, self.config = drafter, drafter.config
+        self.block_size = self.config.block_size
+        self.taps = [i + 1 for i in self.config.target_layer_ids]  # +1: hidden_states[0] is the embedding output
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         if self.lm_head is None:
             raise ValueError(f"{type(target).__name__} has no output embeddings (LM head) for the drafter to borrow.")
-        self.target = target
-        attach(target)  # CPU float32 linears verify a few rows faster (verify_head.py)
-        pack_linears(drafter)  # CPU linears of the drafter through oneDNN's packed weights (packed_linear.py)
-        set_verifying(target, False)  # on only between a draft and its verify (a failed call may have left it on)
-        self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
-        self.do_sample = bool(generation_config.do_sample)
-        self.max_length = generation_config.max_length
-        self.eos_ids = eos_token_ids(generation_config)
-        self.stop_strings = None
-        if generation_config.stop_strings:
-            if tokenizer is None:
-                raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=` to generate().")
-            self.stop_strings = StopStringCriteria(tokenizer=tokenizer, stop_strings=generation_config.stop_strings)
-        # Ask the target for exactly the tapped layers (+1: entry 0 of `hidden_states` is the embedding output).
-        # With a user request for all hidden states, a list would crash `_split_model_outputs`, so keep `True`.
-        taps = [i + 1 for i in config.target_layer_ids]
-        self.model_kwargs_overrides = {
-            "output_hidden_states": True if generation_config.output_hidden_states else taps
-        }
-        self.cache = DynamicCache()  # the drafter's cache of context entries
-        self.context_len = 0  # target positions whose features the drafter has consumed
-        self.waiting: list[torch.Tensor] = []  # features of gated rounds, for the next draft pass
-        self.gate: DraftGate | None = None  # set by a subclass that can price its drafts
-        self.hint: list[float] | None = None  # the last draft's conditional confidences, for the gate
-        self.pending = None  # (sequence length, drafts proposed, survivals examined); None for the prefill
-        self.stats = DSparkGenerationStats(block_size=config.block_size)
-        drafter.generation_stats = self.stats
+        self.device = next(drafter.parameters()).device
+        self.target_device = next(target.parameters()).device
+        pack_linears(drafter)  # the drafter's CPU linears through oneDNN's packed weights (packed_linear.py)
 
-    @property
-    def num_drafting_tokens(self) -> int:
-        """Read by the transformers 5.25 loop; the most drafts a round can propose."""
-        return self.config.block_size
 
-    def _new_context(self, input_ids, model_outputs, n_last_matches: int) -> torch.Tensor:
-        """Target features of the positions committed since the last round: (1, n_new, m·d).
+class DSparkCandidateGenerator(_Generator):
+    """Drafts a block per row with a DSpark drafter: one parallel pass, then the sequential and confidence heads."""
 
-        After the prefill these are all prompt positions; later the old anchor plus the accepted drafts, i.e. the
-        first `n_last_matches + 1` positions of the verify pass. The newest token (the bonus) becomes the anchor and
-        has no features yet: context ends at position `len(input_ids) - 2`.
+    def __init__(self, drafter, target):
+        super().__init__(drafter, target)
+        self.temperatures = drafter.sts_temperatures.tolist()
+        self.cache = RaggedCache(self.device)
+
+    def add_rows(self, n: int) -> None:
+        self.cache.extend(RaggedCache(self.device, batch_size=n))  # no context yet: the first draft brings it
+
+    def select(self, keep: list[int]) -> None:
+        self.cache.select(keep)
+
+    def reset(self) -> None:
+        self.cache = RaggedCache(self.device)
+
+    def propose(self, rows, caps: list[int], policy, early: bool = True):
+        """Drafts for every row: `core.Drafts` with tokens (B, K), logits (B, K, V) and conditional confidences."""
+        return self._sample(self._block(rows), rows, caps, policy, early)
+
+    def _block(self, rows) -> torch.Tensor:
+        """Backbone pass for all rows; returns h (B, γ, d). The drafter cache keeps the new context, not the block.
+
+        Row r appends its n_r new context entries (positions start_r .. start_r + n_r - 1, padded to the longest
+        row and masked) and runs the block [anchor, mask, ...] at positions anchor_r .. anchor_r + γ - 1.
         """
-        n_new = input_ids.shape[1] - 1 - self.context_len - sum(c.shape[1] for c in self.waiting)
-        if self.context_len and n_new != n_last_matches + 1:
-            raise RuntimeError(f"Drafter context out of sync: {n_new} new positions, {n_last_matches} accepted.")
-        states = model_outputs.hidden_states
-        return torch.cat([states[i + 1][:, :n_new] for i in self.config.target_layer_ids], dim=-1)
-
-    @torch.no_grad()
-    def get_candidates(
-        self,
-        input_ids: torch.LongTensor,
-        model_kwargs: dict[str, Any] | None = None,
-        model_outputs=None,
-        is_first_iteration: bool = False,
-        n_last_matches: int = 0,
-        **kwargs,
-    ) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
-        """input_ids (1, L) -> candidate ids (1, L + n) and processed draft logits (1, n, V) (None when n = 0)."""
-        cur_len = input_ids.shape[1]
-        if is_first_iteration:  # the target has not run yet: no features, no drafts; the prefill is a plain step
-            self.pending = None
-            self.stats.num_prompt_tokens = cur_len
-            return input_ids, None
-        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
-            raise ValueError("The target returned no hidden states; the drafter needs `output_hidden_states` support.")
-
-        budget = min(self.config.block_size, self.max_length - cur_len - 1)
-        if budget <= 0:  # the round's bonus token ends generation: nothing to draft
-            self.pending = (cur_len, 0, [])
-            return input_ids, None
-        context = self._new_context(input_ids, model_outputs, n_last_matches)
-        if self.gate is not None and not self.gate.should_draft([self.hint], [budget]):
-            self.waiting.append(context)  # a plain step: these features go in with the next draft
-            self.pending = (cur_len, 0, [])
-            self.stats.gated_rounds += 1
-            return input_ids, None
-        context, self.waiting = torch.cat([*self.waiting, context], dim=1), []
-        start = time.perf_counter()
-        draft = self.draft(input_ids, context, model_kwargs, budget)
-        if self.gate is not None:  # the admission read every survival back: the time includes the device's work
-            self.hint = conditional_confidences(draft.survival)
-            self.gate.record(time.perf_counter() - start, [self.hint])
-        self.context_len = cur_len - 1
-        candidate_ids = torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=-1)
-        n = self._before_stop_string(candidate_ids, cur_len)
-        self.pending = (cur_len, n, draft.survival)
-        if n == 0:
-            return input_ids, None
-        set_verifying(self.target, True)  # the target's next forward verifies these drafts
-        return candidate_ids[:, : cur_len + n], draft.logits[:, :n].float()
-
-    def draft(self, input_ids, context, model_kwargs, budget: int) -> "DSparkBlockDraft":
-        """Append `context` to the drafter's cache and draft at most `budget` (>= 1) tokens after `input_ids`.
-
-        input_ids (1, L); context (1, n_new, m·d): target features of positions `context_len .. L - 2`. Returns the
-        tokens (1, n), the processed logits (1, n, V) they were drawn from and the survivals examined.
-        """
-        raise NotImplementedError
-
-    def _before_stop_string(self, candidate_ids, cur_len) -> int:
-        """Number of drafts to keep so that no *draft* completes a stop string.
-
-        The loop checks stopping criteria once per round, after committing accepted drafts and the bonus token; a
-        stop string completed by an accepted draft would let later tokens through, unlike plain decoding. With this
-        cut only the bonus (the round's last token) can complete it, and generation stops exactly where plain
-        decoding does. EOS and max_length are clipped by the loop itself.
-        """
-        n = candidate_ids.shape[1] - cur_len
-        if self.stop_strings is None:
-            return n
-        for j in range(1, n + 1):
-            if bool(self.stop_strings(candidate_ids[:, : cur_len + j], None).any()):
-                return j - 1
-        return n
-
-    def _key_padding(self, model_kwargs, n: int) -> torch.Tensor | None:
-        """(1, n) boolean, False at padded prompt positions among the first n (left padding); None if none is."""
-        mask = (model_kwargs or {}).get("attention_mask")
-        if mask is None or bool(mask[:, :n].all()):
-            return None
-        return mask[:, :n].bool()
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        """Bookkeeping after the target's verify pass: acceptance statistics."""
-        set_verifying(self.target, False)
-        self.stats.num_new_tokens = input_ids.shape[1] - self.stats.num_prompt_tokens
-        if self.pending is None:
-            return  # the prefill: not a verify step
-        proposed = self.pending[1]
-        stopped = input_ids.shape[1] >= self.max_length or int(input_ids[0, -1]) in self.eos_ids
-        self.stats.record_step(proposed, int(num_matches), stopped=stopped, survival=self.pending[2])
-
-
-class DSparkCandidateGenerator(DrafterCandidateGenerator):
-    """Drafts with a DSpark drafter (`config.model_type == "dspark"`): one parallel block pass, then token-by-token
-    sampling through the sequential head under the admission policy (confidence threshold or Algorithm 1)."""
-
-    def __init__(self, drafter, target, generation_config, logits_processor=None, input_ids=None, tokenizer=None):
-        super().__init__(drafter, target, generation_config, logits_processor, input_ids, tokenizer)
-        config = self.config
-        sps = getattr(drafter, "sps_profile", None)
-        if config.verify_policy == "scheduler" and config.confidence_head:
-            # the checkpoint's sps_profile.json if it fits this target and hardware, else a quick profile
-            sps = sps_for(drafter, target)
-            if getattr(config, "draft_gate", True):
-                self.gate = DraftGate(sps)
-        self.admit = build_admission(config, sps)
-
-    def draft(self, input_ids, context, model_kwargs, budget: int) -> "DSparkBlockDraft":
-        # one parallel pass over [anchor, mask, ...] with the new context appended to the cache
-        hidden = self._draft_block(input_ids[:, -1:], context, model_kwargs)
-        # schedule: sample token by token, stopping where verification stops paying
-        return self.drafter.sample_block(
-            hidden, input_ids, self.lm_head, self.logits_processor, self.do_sample, max_tokens=budget, admit=self.admit
-        )
-
-    def _draft_block(self, anchor, context, model_kwargs) -> torch.Tensor:
-        """Backbone pass; returns h (1, γ, d). The cache keeps the context and drops the block's own K/V."""
-        drafter, gamma = self.drafter, self.config.block_size
-        device = drafter.fc.weight.device
-        start = self.context_len
-        n_ctx = context.shape[1]
-        # Context entry i sits at position start + i; block slot j at the anchor's position + j.
-        position_ids = torch.arange(start, start + n_ctx + gamma, device=device)[None]
-        mask = self._padding_mask(model_kwargs, start + n_ctx, gamma, device)
-        out = drafter(
-            noise_embeds=drafter.block_input_embeds(anchor.to(self.embed_tokens.weight.device), self.embed_tokens),
-            context_hidden_states=context.to(device),
+        gamma, device = self.block_size, self.device
+        n_new = torch.tensor([row.context.shape[0] for row in rows], device=device)
+        contexts = [row.context.to(device) for row in rows]
+        context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, C, m·d), zero-padded
+        width = context.shape[1]
+        ctx_valid = torch.arange(width, device=device)[None] < n_new[:, None]  # (B, C)
+        anchor = torch.tensor([row.anchor_position for row in rows], device=device)
+        start = anchor - n_new  # the context always ends right before the anchor
+        ctx_positions = start[:, None] + torch.arange(width, device=device)  # (B, C)
+        block_positions = anchor[:, None] + torch.arange(gamma, device=device)  # (B, γ)
+        position_ids = torch.cat([ctx_positions, block_positions], dim=1)  # (B, C + γ)
+        keys = torch.cat([self.cache.valid, ctx_valid, ctx_valid.new_ones(len(rows), gamma)], dim=1)
+        mask = None if bool(keys.all()) else keys[:, None, None, :].expand(-1, 1, gamma, -1)  # (B, 1, γ, K)
+        anchor_ids = torch.tensor([[row.seq[-1]] for row in rows], device=self.embed_tokens.weight.device)
+        out = self.drafter(
+            noise_embeds=self.drafter.block_input_embeds(anchor_ids, self.embed_tokens),
+            context_hidden_states=context,
             position_ids=position_ids,
             attention_mask=mask,
-            cache=self.cache,
+            cache=self.cache.cache,
         )
-        self.cache.crop(-gamma)
+        self.cache.cache.crop(-gamma)  # the block's own K/V are not context
+        self.cache.commit(ctx_valid)
+        for row in rows:
+            row.context = None
         return out.last_hidden_state
 
-    def _padding_mask(self, model_kwargs, n_context, gamma, device):
-        """A key mask that hides padded prompt positions (left padding); None when nothing is padded."""
-        keys = self._key_padding(model_kwargs, n_context)
-        if keys is None:
-            return None
-        keys = torch.cat([keys, keys.new_ones(1, gamma)], dim=-1).to(device)
-        return keys[:, None, None, :].expand(1, 1, gamma, -1)  # (1, 1, γ, K) boolean, True = visible
+    def _sample(self, hidden: torch.Tensor, rows, caps: list[int], policy, early: bool):
+        """Token-by-token sampling through the sequential head for all rows at once (DSpark §3.5).
+
+        hidden (B, γ, d). For k = 1..K: the confidence c_k from [h_k; x_{k-1}] (before x_k exists), then x_k from
+        processors(U_k + B_k(x_{k-1})): argmax, or a draw. Row r examines `caps[r]` positions. With `early`, a policy
+        that can stop early stops sampling once the positions seen settle every row's verify length: under load
+        Algorithm 1 often verifies 0-1 drafts per row, and the rest of the block would be sampled for nothing (this
+        reads each position's confidences back: one host sync per position).
+        """
+        steps = max(caps)
+        prev = torch.tensor([[row.seq[-1]] for row in rows], device=hidden.device)  # (B, 1): the anchors
+        tokens = prev.new_zeros(len(rows), steps)
+        if steps == 0:
+            return Drafts(tokens, None, list(caps), [[] for _ in rows])
+        early = early and policy.stops_early
+        # One LM-head product for the block; a policy that can stop early takes the first positions first
+        first = min(EARLY_DRAFT_POSITIONS, steps) if early else steps
+        base = self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)  # (B, K', V)
+        sampling = any(row.do_sample for row in rows)
+        logits_out = base.new_zeros(len(rows), steps, base.shape[-1]) if sampling else None
+        seen, state = [], None  # seen[k]: (B,) conditional confidences of position k + 1
+        for k in range(steps):
+            if k == base.shape[1]:
+                base = torch.cat([base, self.drafter.draft_base_logits(hidden[:, k:steps], self.lm_head)], dim=1)
+            h_k = hidden[:, k : k + 1]
+            conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1), or None without a confidence head
+            if conf is not None:
+                seen.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))  # STS-calibrated c_k
+            bias, next_state = self.drafter.draft_sequential_bias(prev, h_k, state)
+            logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]  # (B, V)
+            logits = process_logits(rows, logits[:, None], tokens, first=k)[:, 0]
+            logits = self._draft_vocab_fallback(logits, rows, h_k, prev, state, tokens, k)
+            state = next_state
+            tokens[:, k] = choose_tokens(rows, logits, live=[k < cap for cap in caps])
+            if logits_out is not None:
+                logits_out[:, k] = logits
+            prev = tokens[:, k : k + 1]
+            if early and conf is not None and k + 1 < steps:
+                seen[-1] = seen[-1].tolist()
+                if policy.settled(_by_row(seen, len(rows)), caps):
+                    break  # no later position can be verified: the rest of the block is not sampled
+        seen = [c if isinstance(c, list) else c.tolist() for c in seen] if early else _read_back(seen)
+        conditional = [c[:cap] for c, cap in zip(_by_row(seen, len(rows)), caps)]
+        return Drafts(tokens.to(self.target_device), logits_out, list(caps), conditional)
+
+    def _draft_vocab_fallback(self, logits, rows, h_k, prev, state, tokens, k):
+        """With a draft vocabulary, logits processors can rule out all of it for a row (e.g. a bad-words list):
+        draft that row's position over the whole vocabulary instead. Checked only when both are in play."""
+        drafter = self.drafter
+        if drafter.draft_vocab_ids is None or not any(row.processors is not None for row in rows):
+            return logits
+        empty = ~torch.isfinite(logits).any(dim=-1)  # (B,)
+        if not bool(empty.any()):
+            return logits
+        bias, _ = drafter.sequential_bias(prev, h_k, state)
+        full = drafter.base_logits(h_k, self.lm_head)[:, 0] + (0 if bias is None else bias[:, 0])
+        full = process_logits(rows, full[:, None], tokens, first=k)[:, 0]
+        return torch.where(empty[:, None], full, logits)
 
 
-__all__ = ["DSparkCandidateGenerator", "DrafterCandidateGenerator"]
+def _read_back(seen: list[torch.Tensor]) -> list[list[float]]:
+    """Every position's confidences in one host transfer: seen[k] (B,) -> [[c_{r,k} for r] for k]."""
+    return torch.stack(seen).tolist() if seen else []
+
+
+def _by_row(seen: list[list[float]], n_rows: int) -> list[list[float]]:
+    """seen[k][r] -> [c_{r,1}, c_{r,2}, ...] per row."""
+    return [list(column) for column in zip(*seen)] if seen else [[] for _ in range(n_rows)]
+
+
+class Eagle3CandidateGenerator(_Generator):
+    """Drafts with an EAGLE-3 drafter, row by row: the positions a row committed since its last draft enter its own
+    drafter cache with their target features (one forward, which also predicts the first draft), then each further
+    draft is one more forward feeding the drafter's own output back. No confidence head: it verifies what it drafts.
+    """
+
+    cache = None  # one exact `DynamicCache` per row instead of a shared ragged one
+
+    def __init__(self, drafter, target):
+        super().__init__(drafter, target)
+        self.caches: list[DynamicCache] = []
+
+    def add_rows(self, n: int) -> None:
+        self.caches += [DynamicCache() for _ in range(n)]
+
+    def select(self, keep: list[int]) -> None:
+        self.caches = [self.caches[i] for i in keep]
+
+    def reset(self) -> None:
+        self.caches = []
+
+    def propose(self, rows, caps: list[int], policy, early: bool = True):
+        steps, drafted = max(caps), []
+        for row, cap, cache in zip(rows, caps, self.caches):
+            if cap == 0:  # its context waits for the next draft
+                drafted.append(None)
+                continue
+            seq = torch.tensor([row.seq], device=self.device)
+            length = seq.shape[1]
+
+            def processors(ids, scores, row=row, length=length):
+                return process_logits([row], scores[:, None], ids[:, length:], first=ids.shape[1] - length)[:, 0]
+
+            drafted.append(
+                self.drafter.draft(
+                    seq, row.context[None].to(self.device), cache, self.embed_tokens, self.lm_head, cap,
+                    logits_processor=processors, do_sample=row.do_sample,
+                )  # fmt: skip
+            )
+            row.context = None
+        tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=self.target_device)
+        logits = None
+        if any(row.do_sample for row in rows):
+            logits = torch.zeros(len(rows), steps, self.lm_head.weight.shape[0], device=self.target_device)
+        for i, draft in enumerate(drafted):
+            if draft is not None:
+                n = draft.tokens.shape[1]
+                tokens[i, :n] = draft.tokens[0].to(self.target_device)
+                if logits is not None:
+                    logits[i, :n] = draft.logits[0].to(self.target_device)
+        return Drafts(tokens, logits, list(caps), [[] for _ in rows])
+
+
+__all__ = ["DSparkCandidateGenerator", "Eagle3CandidateGenerator", "candidate_generator_for"]

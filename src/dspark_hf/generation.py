@@ -1,219 +1,331 @@
-"""The one module that touches transformers' private generation API.
+"""`generate()` with a drafter: the `SpeculativeDecoder` as the decoding loop, on transformers' public hook.
 
-`generate()` picks its candidate generator in `GenerationMixin._get_candidate_generator`, a closed if/elif chain
-with no registry. We wrap it once, narrowly: when the assistant's `config.model_type` is one of this package's
-drafters ("dspark" -> `DSparkCandidateGenerator`, "dspark_eagle3" -> `Eagle3CandidateGenerator`, see
-`candidate_generator_class`; duck-typed, so a drafter loaded with `trust_remote_code` works too) we return its
-candidate generator; everything else goes to the original. `enable(model)` / `disable(model)` do the same for one
-object only, and `generate` is a `custom_generate` entry point. Each private name used here is listed in
-`_PRIVATE_API` and checked at import.
-Inside `record_draft_rounds()` every candidate generator the selector returns (DSpark's or transformers' own) also
-logs the wall time and size of each drafting round, for the evaluation harness.
+Two ways in, both batched (left-padded prompts, each row token-identical to its own plain greedy decoding):
 
-Tested with transformers 5.24 and 5.25 (5.25 reads `CandidateGenerator.num_drafting_tokens`).
+    target.generate(**inputs, custom_generate=dspark_hf.speculative_generate, drafter=drafter)   # no patching at all
+    target.generate(**inputs, assistant_model=drafter)                                            # after import dspark_hf
+
+`generate()` prepares the generation config, logits processors, stopping criteria and attention mask, then calls
+`speculative_generate` in place of its own loop. That callable only receives keyword arguments its signature names
+(`compat.py`), so `install()` (run once by `import dspark_hf`) wraps the public `GenerationMixin.generate`: a call
+whose `assistant_model` is one of this package's drafters becomes the explicit form, with the streamer and
+tokenizer passed on under names the hook keeps and stop strings turned into a stopping criterion; every other call
+goes to transformers untouched. Pipelines call `model.generate(..., assistant_model=drafter)` and take this path.
+`generate(model, ...)` is the same routing as a function, for the Hub `custom_generate/` folder.
 """
 
-import contextlib
 import functools
-import time
-import types
-from dataclasses import dataclass
 
 import torch
-import transformers
-from packaging import version
-from transformers.generation.utils import GenerationMixin
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 from transformers.utils import logging
+
+from .compat import check_transformers_version
+from .core import SpeculativeDecoder
+from .policy import VerifyPolicy
+from .rows import Row
+from .stats import DSparkGenerationStats
 
 
 logger = logging.get_logger(__name__)
 
-MIN_VERSION, MAX_VERSION = "5.24.0", "6.0.0"
-_PRIVATE_API = ("_get_candidate_generator", "_assisted_decoding")
-_MARKER = "_dspark_selector"
+DRAFTER_TYPES = ("dspark", "dspark_eagle3")
+_MARKER = "_dspark_routing"
+_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
 
 
-def check_transformers_version() -> None:
-    """Raise a clear error on a transformers release whose assisted-decoding internals we have not checked."""
-    found = version.parse(transformers.__version__)
-    if not version.parse(MIN_VERSION) <= found < version.parse(MAX_VERSION):
-        raise ImportError(
-            f"dspark-hf needs transformers>={MIN_VERSION},<{MAX_VERSION}; found {transformers.__version__}. "
-            f'Install a supported release: pip install "transformers>={MIN_VERSION},<{MAX_VERSION}".'
-        )
-    missing = [name for name in _PRIVATE_API if not hasattr(GenerationMixin, name)]
-    if missing:
-        raise ImportError(
-            f"transformers {transformers.__version__} lacks GenerationMixin.{', '.join(missing)}, which DSpark's "
-            "generate() integration relies on. Please report this with your transformers version."
-        )
+def is_drafter(model) -> bool:
+    """Whether `model` is one of this package's drafters (duck-typed on `config.model_type`, so a drafter loaded with
+    `trust_remote_code` counts too)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in DRAFTER_TYPES
 
 
-def is_dspark_drafter(model) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) == "dspark"
+class _GenerateRow(Row):
+    """A row of `generate()`'s batch: transformers' logits processors and stopping criteria, and its padding.
 
-
-def candidate_generator_class(model):
-    """The candidate generator class for one of this package's drafters, or None for any other assistant.
-
-    Imported on first use; the imports stay literal so that remote-code checkpoints ship these modules.
+    `processor_ids()` is the row as `generate()` holds it (left padding included), so processors that count
+    positions (min_new_tokens, ...) see what they see in plain decoding. Stopping: the length limit and EOS are
+    checked on the token list; any other criterion (stop strings, user criteria) is asked token by token.
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type == "dspark":
-        from .candidate_generator import DSparkCandidateGenerator
 
-        return DSparkCandidateGenerator
-    if model_type == "dspark_eagle3":
-        from .eagle3_candidate_generator import Eagle3CandidateGenerator
-
-        return Eagle3CandidateGenerator
-    return None
-
-
-def eos_token_ids(generation_config) -> list[int]:
-    """The EOS ids `generate()` stops on (private attribute `_eos_token_tensor`, set during `generate()`)."""
-    tensor = getattr(generation_config, "_eos_token_tensor", None)
-    return [] if tensor is None else [int(t) for t in tensor.flatten().tolist()]
-
-
-def _wrap_selector(original):
-    @functools.wraps(original)
-    def selector(
-        self,
-        generation_config,
-        input_ids,
-        inputs_tensor,
-        logits_processor,
-        model_kwargs,
-        assistant_model=None,
-        **kwargs,
+    def __init__(
+        self, padding, prompt, *, processors, others, eos, max_length, do_sample, keep_scores, streamer, block_size
     ):
-        generator_class = candidate_generator_class(assistant_model)
-        if generator_class is not None:
-            generator = generator_class(
-                assistant_model,
-                self,
-                generation_config,
-                logits_processor,
-                input_ids=input_ids,
-                tokenizer=kwargs.get("target_tokenizer"),
-            )
+        super().__init__(prompt, do_sample=do_sample, block_size=block_size)
+        self.padding, self.others, self.eos, self.max_length = padding, others, eos, max_length
+        self.processors = processors
+        self.limit: int | None = None  # set when the batch's length is known and this row must reach it
+        self.stopped_at: int | None = None  # padded length where its stopping criteria first fired
+        self.output: list[int] = []
+        self.scores: list[torch.Tensor] | None = [] if keep_scores else None
+        self.streamer = streamer
+
+    @property
+    def length(self) -> int:
+        return len(self.padding) + len(self.seq)
+
+    @property
+    def remaining(self) -> int:
+        end = self.max_length if self.limit is None else min(self.max_length, self.limit)
+        return end - self.length
+
+    def processor_ids(self) -> list[int]:
+        return self.padding + self.seq
+
+    def commit(self, tokens: list[int], scores: torch.Tensor | None = None) -> int:
+        taken = 0
+        for j, token in enumerate(tokens[: self.remaining]):
+            taken = j + 1
+            length = self.length + taken
+            stop = token in self.eos or length >= self.max_length
+            if not stop and self.others is not None:
+                ids = torch.tensor([self.processor_ids() + tokens[:taken]])
+                stop = bool(self.others(ids, None if scores is None else scores[j : j + 1]).any())
+            if stop and self.stopped_at is None:
+                self.stopped_at = length
+            if (stop and self.eos) or length >= self.max_length or (self.limit is not None and length >= self.limit):
+                self.finished = True  # with EOS criteria a stopped row is padded; without, it decodes on
+                break
+        new = tokens[:taken]
+        self.output += new
+        self.stats.num_new_tokens = len(self.output)
+        if self.scores is not None and scores is not None:
+            self.scores += list(scores[:taken].clone())
+        if self.streamer is not None and new:
+            self.streamer.put(torch.tensor(new))
+        return taken
+
+
+def _split_stopping(stopping_criteria) -> tuple[set[int], int | None, StoppingCriteriaList | None]:
+    """(EOS ids, max length, the other criteria or None) of a prepared `StoppingCriteriaList`."""
+    eos, max_length, others = set(), None, StoppingCriteriaList()
+    for criterion in stopping_criteria or []:
+        if isinstance(criterion, EosTokenCriteria):
+            eos |= set(criterion.eos_token_id.flatten().tolist())
+        elif isinstance(criterion, MaxLengthCriteria):
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
         else:
-            generator = original(
-                self,
-                generation_config=generation_config,
-                input_ids=input_ids,
-                inputs_tensor=inputs_tensor,
-                logits_processor=logits_processor,
-                model_kwargs=model_kwargs,
-                assistant_model=assistant_model,
-                **kwargs,
+            others.append(criterion)
+    return eos, max_length, others if len(others) else None
+
+
+def _check_call(model, generation_config, model_kwargs) -> None:
+    """Refuse what the speculative loop cannot do, naming the option."""
+    unsupported = {
+        "num_beams": generation_config.num_beams != 1,
+        "num_return_sequences": (generation_config.num_return_sequences or 1) != 1,
+        "output_attentions": bool(generation_config.output_attentions),
+        "output_hidden_states": bool(generation_config.output_hidden_states),
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            raise ValueError(
+                f"Speculative decoding with a DSpark drafter does not support `{name}` "
+                f"(got {getattr(generation_config, name)!r}); drop it or decode without the drafter."
             )
-        return _observe(generator)
+    if model.config.is_encoder_decoder:
+        raise ValueError("Speculative decoding with a DSpark drafter needs a decoder-only target.")
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
+    if extra:
+        raise ValueError(f"Speculative decoding with a DSpark drafter takes text input only; unsupported: {extra}.")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            "Speculative decoding with a DSpark drafter starts from the prompt; continuing a filled `cache` is not "
+            "supported. Pass the whole sequence as the prompt instead."
+        )
 
-    setattr(selector, _MARKER, True)
-    return selector
+
+def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[list[int], list[int]]]:
+    """(padding, prompt) per row of a left-padded batch."""
+    ids = input_ids.tolist()
+    if attention_mask is None:
+        return [([], row) for row in ids]
+    mask = attention_mask.bool().tolist()
+    out = []
+    for row, keep in zip(ids, mask):
+        pads = keep.index(True) if True in keep else len(keep)
+        if not all(keep[pads:]) or pads == len(keep):
+            raise ValueError(
+                "Speculative decoding needs left-padded prompts (padding first, then every prompt token), each with "
+                "at least one token; set `tokenizer.padding_side = 'left'`."
+            )
+        out.append((row[:pads], row[pads:]))
+    return out
 
 
-@dataclass
-class DraftRound:
-    """One `get_candidates` call of a candidate generator inside `generate()`.
+@torch.no_grad()
+def speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    drafter=None,
+    token_streamer=None,
+    target_tokenizer=None,
+    verify_policy: str | None = None,
+    **model_kwargs,
+):
+    """The decoding loop of `generate()` with a drafter (pass it as `custom_generate=`, with `drafter=`).
 
-    start: `time.perf_counter()` when drafting began; seconds: wall time of the call (drafting only, the target's
-    verify pass follows it); proposed: draft tokens returned; first: the call before the prefill (DSpark drafts
-    nothing there, transformers' assistants draft from the prompt); accepted: drafts the target accepted, from
-    `update_candidate_strategy` (None if the loop ended before it).
+    input_ids (B, L), left-padded per `attention_mask`. Each row is decoded speculatively on its own budget and
+    stops where plain decoding stops it (EOS, length, stop strings, user criteria); the batch's output is
+    `generate()`'s: (B, L + n) with finished rows padded, or a `GenerateDecoderOnlyOutput` with
+    `return_dict_in_generate` (`scores` / `logits` per new token are the target's processed logits; rows that have
+    finished get zeros). `token_streamer`: a streamer for batch 1; `target_tokenizer` checks the pairing;
+    `verify_policy` overrides the drafter's. The drafter's `generation_stats` holds the call's statistics.
     """
-
-    start: float
-    seconds: float
-    proposed: int
-    first: bool
-    accepted: int | None = None
-
-
-_RECORDERS: list[list[DraftRound]] = []
-
-
-@contextlib.contextmanager
-def record_draft_rounds():
-    """Within the block, every `generate()` with an assistant appends its drafting rounds to the yielded list."""
-    rounds: list[DraftRound] = []
-    _RECORDERS.append(rounds)
-    try:
-        yield rounds
-    finally:
-        _RECORDERS.remove(rounds)
-
-
-def _synchronize(tensor) -> None:
-    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
-
-
-def _observe(generator):
-    """Time `generator.get_candidates` and note accepted counts while a `record_draft_rounds()` block is open."""
-    if not _RECORDERS:
-        return generator
-    rounds, get_candidates, update = _RECORDERS[-1], generator.get_candidates, generator.update_candidate_strategy
-    own: list[DraftRound] = []
-
-    def timed_get_candidates(input_ids, *args, **kwargs):
-        _synchronize(input_ids)
-        start = time.perf_counter()
-        candidate_ids, candidate_logits = get_candidates(input_ids, *args, **kwargs)
-        _synchronize(candidate_ids)
-        proposed = candidate_ids.shape[1] - input_ids.shape[1]
-        own.append(DraftRound(start, time.perf_counter() - start, proposed, first=not own))
-        rounds.append(own[-1])
-        return candidate_ids, candidate_logits
-
-    def counted_update(input_ids, scores, num_matches):
-        if own:
-            own[-1].accepted = int(num_matches)
-        return update(input_ids, scores, num_matches)
-
-    generator.get_candidates = timed_get_candidates
-    generator.update_candidate_strategy = counted_update
-    return generator
+    if not is_drafter(drafter):
+        raise TypeError(
+            "speculative_generate needs `drafter=` one of this package's drafters (DSpark or EAGLE-3), got "
+            f"{type(drafter).__name__}."
+        )
+    _check_call(model, generation_config, model_kwargs)
+    drafter.config.check_target(model.config, target_tokenizer)
+    eos, max_length, others = _split_stopping(stopping_criteria)
+    max_length = generation_config.max_length if max_length is None else max_length
+    processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+    keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    if generation_config.return_dict_in_generate and generation_config.output_logits:
+        raise ValueError("`output_logits` is not supported with a DSpark drafter; use `output_scores`.")
+    if token_streamer is not None:
+        token_streamer.put(input_ids.cpu())
+    rows = [
+        _GenerateRow(
+            padding, prompt, processors=processors, others=others, eos=eos, max_length=max_length,
+            do_sample=bool(generation_config.do_sample), keep_scores=keep_scores, streamer=token_streamer,
+            block_size=drafter.config.block_size,
+        )  # fmt: skip
+        for padding, prompt in _prompts(input_ids, model_kwargs.get("attention_mask"))
+    ]
+    policy = VerifyPolicy.for_drafter(drafter, model, verify_policy, max_rows=len(rows))
+    decoder = SpeculativeDecoder(model, drafter, policy=policy)
+    decoder.prefill(rows)
+    while decoder.rows:
+        decoder.step()
+        decoder.retire()
+        if not eos:  # plain decoding pads nothing without EOS: a stopped row decodes on until every row stopped
+            _settle_length(rows, decoder)
+    if token_streamer is not None:
+        token_streamer.end()
+    drafter.generation_stats = functools.reduce(
+        DSparkGenerationStats.merge, [row.stats for row in rows[1:]], rows[0].stats
+    )
+    return _output(input_ids, rows, generation_config, eos)
 
 
-def install_candidate_generator() -> None:
-    """Route `generate(assistant_model=<drafter of this package>)` to its candidate generator for every model.
-    Idempotent."""
-    check_transformers_version()
-    current = GenerationMixin._get_candidate_generator
-    if not getattr(current, _MARKER, False):
-        GenerationMixin._get_candidate_generator = _wrap_selector(current)
+def _settle_length(rows: list[_GenerateRow], decoder: SpeculativeDecoder) -> None:
+    """Once every row has stopped, the batch's length is the latest stop: rows short of it decode on to it."""
+    if any(row.stopped_at is None for row in rows) or rows[0].limit is not None:
+        return
+    limit = max(row.stopped_at for row in rows)
+    for row in rows:
+        row.limit = limit
+        if row.length >= limit:
+            row.finished = True
+            cut = row.length - limit  # tokens it took past the batch's end
+            if cut:
+                del row.output[-cut:], row.seq[-cut:]
+    decoder.retire()
 
 
-def enable(model):
-    """Per-object routing, for users who prefer not to rely on the global install. Returns `model`."""
-    check_transformers_version()
-    original = type(model)._get_candidate_generator
-    if not getattr(original, _MARKER, False):
-        model._get_candidate_generator = types.MethodType(_wrap_selector(original), model)
-    return model
+def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int]):
+    """`generate()`'s return value: every row padded to the longest (with the pad id, else the first EOS id)."""
+    pad = generation_config.pad_token_id
+    pad = (min(eos) if eos else 0) if pad is None else pad
+    pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    width = max(len(row.output) for row in rows)
+    new = torch.tensor([row.output + [pad] * (width - len(row.output)) for row in rows], device=input_ids.device)
+    sequences = torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    scores = None
+    if generation_config.output_scores:
+        vocab = next(s for row in rows for s in row.scores).shape[-1] if any(row.scores for row in rows) else 0
+        zero = torch.zeros(vocab)
+        scores = tuple(
+            torch.stack([row.scores[t] if t < len(row.scores) else zero.to(row.scores[0]) for row in rows])
+            for t in range(width)
+        )
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
 
 
-def disable(model):
-    """Undo `enable(model)`."""
-    model.__dict__.pop("_get_candidate_generator", None)
-    return model
+# -- routing generate(assistant_model=<drafter>) -----------------------------------------------------------------
+
+
+def _routed_kwargs(model, kwargs: dict) -> dict:
+    """`generate()` keyword arguments with `assistant_model=<drafter>` turned into the explicit custom_generate form."""
+    kwargs = dict(kwargs)
+    drafter = kwargs.pop("assistant_model")
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("Pass either a DSpark `assistant_model` or `custom_generate`, not both.")
+    if kwargs.pop("assistant_tokenizer", None) is not None:
+        raise ValueError(
+            "A DSpark drafter shares the target's tokenizer; `assistant_tokenizer` (universal assisted decoding) "
+            "does not apply. Drop it."
+        )
+    tokenizer = kwargs.pop("tokenizer", None)
+    drafter.config.check_target(model.config, tokenizer)  # before transformers' own checks, with our message
+    kwargs.update(custom_generate=speculative_generate, drafter=drafter, target_tokenizer=tokenizer)
+    kwargs["token_streamer"] = kwargs.pop("streamer", None)
+    config = kwargs.get("generation_config")
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=` to generate().")
+        if getattr(config, "stop_strings", None):
+            config = kwargs["generation_config"] = config.__class__.from_dict(config.to_dict())
+            config.stop_strings = None
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        kwargs["stopping_criteria"] = criteria
+    return kwargs
 
 
 def generate(model, *args, **kwargs):
-    """`custom_generate` entry point: `target.generate(..., custom_generate=dspark_hf.generate, ...)`."""
-    return GenerationMixin.generate(enable(model), *args, **kwargs)
+    """`model.generate(*args, **kwargs)` with `assistant_model=<a drafter of this package>` run speculatively through
+    the public hook; any other call is transformers' own. Also the Hub `custom_generate/generate.py` entry point."""
+    if is_drafter(kwargs.get("assistant_model")):
+        kwargs = _routed_kwargs(model, kwargs)
+    return _original_generate(model, *args, **kwargs)
 
 
-__all__ = [
-    "DraftRound",
-    "candidate_generator_class",
-    "disable",
-    "enable",
-    "generate",
-    "install_candidate_generator",
-    "is_dspark_drafter",
-    "record_draft_rounds",
-]
+def _original_generate(model, *args, **kwargs):
+    method = GenerationMixin.generate
+    return getattr(method, "_dspark_original", method)(model, *args, **kwargs)
+
+
+def install() -> None:
+    """Route `generate(assistant_model=<drafter of this package>)` through `speculative_generate` for every model, by
+    wrapping the public `GenerationMixin.generate` once. Idempotent; other calls are untouched."""
+    check_transformers_version()
+    current = GenerationMixin.generate
+    if getattr(current, _MARKER, False):
+        return
+
+    @functools.wraps(current)
+    def routed(self, *args, **kwargs):
+        if is_drafter(kwargs.get("assistant_model")):
+            kwargs = _routed_kwargs(self, kwargs)
+        return current(self, *args, **kwargs)
+
+    setattr(routed, _MARKER, True)
+    routed._dspark_original = current
+    GenerationMixin.generate = routed
+
+
+def uninstall() -> None:
+    """Undo `install()`."""
+    current = GenerationMixin.generate
+    if getattr(current, _MARKER, False):
+        GenerationMixin.generate = current._dspark_original
+
+
+__all__ = ["DRAFTER_TYPES", "generate", "install", "is_drafter", "speculative_generate", "uninstall"]

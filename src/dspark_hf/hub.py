@@ -26,23 +26,15 @@ CALIBRATION_FILE = "calibration.json"  # written by `dspark-hf calibrate` beside
 # need nothing beyond torch, transformers and its dependencies). transformers refuses the folder if one is missing.
 _CUSTOM_GENERATE_ROOT = "generation.py"
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.([\w.]+)\s+import", re.MULTILINE)
-_CUSTOM_GENERATE_ENTRY = '''"""DSpark assisted generation for users without the dspark-hf package:
+_CUSTOM_GENERATE_ENTRY = '''"""DSpark speculative decoding for users without the dspark-hf package:
 
     target.generate(**inputs, assistant_model=drafter, custom_generate="<this repo>", trust_remote_code=True)
 """
 
-from transformers.generation.utils import GenerationMixin
-
-from .generation import disable, enable
+from .generation import generate
 
 
-def generate(model, *args, **kwargs):
-    """Route `assistant_model=<DSpark drafter>` to the DSpark candidate generator for this call only."""
-    enable(model)
-    try:
-        return GenerationMixin.generate(model, *args, **kwargs)
-    finally:
-        disable(model)
+__all__ = ["generate"]
 '''
 
 

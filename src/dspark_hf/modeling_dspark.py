@@ -34,7 +34,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import logging
 
 from . import packed_linear
-from .configuration_dspark import EARLY_DRAFT_POSITIONS, DSparkConfig
+from .configuration_dspark import DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, DSparkConfidenceHead, survival_probabilities
 from .utils import gathered_rows
 from .verify_head import VerifyLinear
@@ -486,71 +486,6 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
     def sts_temperatures(self) -> torch.Tensor:
         return torch.tensor(self.config.sts_temperatures, dtype=torch.float32)
 
-    @torch.no_grad()
-    def sample_block(
-        self,
-        hidden_states: torch.Tensor,
-        sequence_ids: torch.LongTensor,
-        lm_head: nn.Module,
-        logits_processor: Callable | None = None,
-        do_sample: bool = False,
-        max_tokens: int | None = None,
-        admit: Callable[[int, float], bool] | None = None,
-    ) -> DSparkBlockDraft:
-        """Samples the block token by token through the sequential head (DSpark paper §3.5).
-
-        For k = 1..γ: `c_k` from `[h_k; W1[x_{k-1}]]` (before `x_k` exists), `a_k = a_{k-1} σ(c_k / T_k)`; stop if
-        `admit(k, a_k)` is false; else `logits_k = processors(U_k + B_k)` and `x_k ~ softmax(logits_k)` (argmax when
-        greedy). The decision to verify `x_k` uses only `x_{<k}`, which keeps verification lossless.
-
-        hidden_states (1, γ, d): backbone output of the block; sequence_ids (1, L): committed tokens, the last one
-        being the anchor. Returns a `DSparkBlockDraft`.
-        """
-        gamma = hidden_states.shape[1] if max_tokens is None else min(max_tokens, hidden_states.shape[1])
-        # U_k for the block: one LM-head product, or, when admission can stop early, the first positions first and
-        # the rest only if sampling gets there
-        first = gamma if admit is None else min(EARLY_DRAFT_POSITIONS, gamma)
-        base = self.draft_base_logits(hidden_states[:, :first], lm_head)  # (1, K', V)
-        temperatures = self.sts_temperatures
-        ids, prev, state, survival = sequence_ids, sequence_ids[:, -1:], None, 1.0
-        logits_out, conf_out, survivals = [], [], []
-        for k in range(gamma):
-            h_k = hidden_states[:, k : k + 1]
-            conf = self.confidence_logits(h_k, prev)
-            if conf is not None:
-                conf_out.append(conf)
-                survival *= torch.sigmoid(conf[0, 0] / temperatures[k]).item()
-                survivals.append(survival)
-            if admit is not None and not admit(k + 1, survival):
-                break
-            if k == base.shape[1]:
-                base = torch.cat([base, self.draft_base_logits(hidden_states[:, k:gamma], lm_head)], dim=1)
-            bias, next_state = self.draft_sequential_bias(prev, h_k, state)
-            logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]
-            if logits_processor:  # None or an empty LogitsProcessorList: nothing to apply, no check (no host sync)
-                logits = logits_processor(ids, logits)
-                if self.draft_vocab_ids is not None and not torch.isfinite(logits).any():
-                    # the processors ruled out the whole draft vocabulary: draft this one over all of it
-                    full_bias, _ = self.sequential_bias(prev, h_k, state)
-                    logits = self.base_logits(h_k, lm_head)[:, 0]
-                    logits = logits_processor(ids, logits if full_bias is None else logits + full_bias[:, 0])
-            state = next_state
-            if do_sample:
-                token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-            else:
-                token = logits.argmax(dim=-1, keepdim=True)
-            logits_out.append(logits)
-            ids = torch.cat([ids, token], dim=-1)
-            prev = token
-        n = len(logits_out)
-        logits = torch.stack(logits_out, dim=1) if n else base.new_zeros(1, 0, base.shape[-1])
-        return DSparkBlockDraft(
-            tokens=ids[:, sequence_ids.shape[1] :],
-            logits=logits,
-            confidence_logits=torch.cat(conf_out, dim=1) if conf_out else None,
-            survival=survivals,
-        )
-
 
 __all__ = [
     "DrafterMixin",
@@ -562,9 +497,10 @@ __all__ = [
 ]
 
 
-# Remote code: a checkpoint loaded with `trust_remote_code=True` in a process without `dspark_hf` still routes
-# `generate(assistant_model=drafter)` to the DSpark candidate generator. Installing twice is a no-op.
-from .generation import install_candidate_generator  # noqa: E402 (after the model; generation never imports it)
+# Loaded as remote code (`AutoModel.from_pretrained(..., trust_remote_code=True)` in a process without dspark_hf),
+# route `generate(assistant_model=drafter)` as `import dspark_hf` does. Imported as part of the package, nothing
+# happens here: the package's one registration is `import dspark_hf`.
+if not __name__.startswith("dspark_hf."):
+    from .generation import install
 
-
-install_candidate_generator()
+    install()

@@ -311,9 +311,8 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
 __all__ = ["Eagle3DraftModel", "Eagle3ModelOutput", "Eagle3PreTrainedModel"]
 
 
-# Remote code: a checkpoint loaded with `trust_remote_code=True` in a process without `dspark_hf` still routes
-# `generate(assistant_model=drafter)` to the EAGLE-3 candidate generator. Installing twice is a no-op.
-from .generation import install_candidate_generator  # noqa: E402 (after the model; generation never imports it)
+# Loaded as remote code, route `generate(assistant_model=drafter)` as `import dspark_hf` does (see modeling_dspark).
+if not __name__.startswith("dspark_hf."):
+    from .generation import install
 
-
-install_candidate_generator()
+    install()

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_dspark import DSparkConfig
 from .configuration_eagle3 import Eagle3Config
-from .generation import install_candidate_generator
+from .generation import install
 from .modeling_dspark import DSparkDraftModel
 from .modeling_eagle3 import Eagle3DraftModel
 
@@ -65,7 +65,8 @@ def _route_deepspec(auto_class, handler) -> None:
 
 
 def register() -> None:
-    """AutoConfig/AutoModel entries, `auto_map` in saved checkpoints, DeepSpec routing and the generate() routing.
+    """AutoConfig/AutoModel entries, `auto_map` in saved checkpoints, DeepSpec routing and the generate() routing
+    (`generation.install`, a wrapper of the public `GenerationMixin.generate`).
 
     Idempotent.
     """
@@ -78,4 +79,4 @@ def register() -> None:
         model_class.register_for_auto_class("AutoModel")
     _route_deepspec(AutoModel, _load_deepspec_as_drafter)
     _route_deepspec(AutoModelForCausalLM, _refuse_deepspec_as_causal_lm)
-    install_candidate_generator()
+    install()

@@ -11,11 +11,13 @@ values: on SmolLM2-135M (9 query heads, 3 key/value heads, 30 layers) logits wer
 cached tokens; docs/results.md, "Attention without repeated keys").
 
 `ATTN_IMPLEMENTATION` is registered with transformers' `AttentionInterface` (the function below) and
-`AttentionMaskInterface` (sdpa's mask). `route(model, True)` points a target whose `config._attn_implementation`
-is "sdpa" at it for a verify pass and `route(model, False)` restores "sdpa" (`verify_head.set_verifying` does
-both). Outside a verify pass the model is untouched; within one, everything but many-query GQA with a mask on the
+`AttentionMaskInterface` (sdpa's mask). `with routed(model):` points a target whose `config._attn_implementation`
+is "sdpa" at it for one verify pass and restores "sdpa" on exit (`verify_head.verify_kernels` does this). Outside a
+verify pass the model is untouched; within one, everything but many-query GQA with a mask on the
 CPU still goes to transformers' own `sdpa_attention_forward`. Set `ENABLED = False` to turn it off.
 """
+
+import contextlib
 
 import torch
 from transformers import AttentionInterface
@@ -78,15 +80,18 @@ def routable(model) -> bool:
     return parameter is not None and parameter.device.type == "cpu"
 
 
-def route(model, active: bool) -> None:
-    """Point the model's attention at `ATTN_IMPLEMENTATION` for a verify pass (`active`), or back to "sdpa".
-
-    Only "sdpa" is ever routed, so "sdpa" is what comes back. Idempotent both ways; a model that `routable` says no
-    to is left alone.
-    """
-    if not routable(model):
+@contextlib.contextmanager
+def routed(model):
+    """Within the block, an "sdpa" model that `routable` accepts attends through `ATTN_IMPLEMENTATION`; its config
+    is restored on exit (also after an exception). Any other model, or `ENABLED = False`, is left alone."""
+    if not (ENABLED and routable(model)) or model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        yield
         return
-    model.config._attn_implementation = ATTN_IMPLEMENTATION if active and ENABLED else "sdpa"
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = "sdpa"
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "route", "routable", "verify_sdpa_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "routable", "routed", "verify_sdpa_attention_forward"]

@@ -14,14 +14,12 @@ See docs/results.md, "The verify LM head" and "Every linear, and a kernel-neutra
 
 bf16 linears (oneDNN) and GPU linears do not have the problem, and are left alone.
 
-`attach(model)` turns the model's plain float32 CPU `nn.Linear`s into `VerifyLinear`s. While the model's verify flag
-is on (`with verifying(model):`, or the candidate generator between a draft and its verify), they compute
-`MIN_ROWS..max_rows` rows with `utils.linear_few_rows`, the product a float32 drafter also uses for 2–4 LM-head rows.
-`max_rows` is `MAX_ROWS_HEAD` for the LM head and `MAX_ROWS` for the other linears. Otherwise they run
-`nn.Linear.forward`, so the model behaves as before outside this package's verify passes. The two products agree to
-float rounding (the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False`
-to turn it off. The same flag routes an "sdpa" target's attention through SDPA's grouped-query attention for the pass
-instead of repeating its key/value cache (`verify_attention.py`; same values, 3–4 ms less per verify here).
+`verify_kernels(model)` is the scope of one verify pass: within it the model's plain float32 CPU `nn.Linear`s are
+`VerifyLinear`s that compute `MIN_ROWS..max_rows` rows with `utils.linear_few_rows` (`max_rows` is `MAX_ROWS_HEAD`
+for the LM head, `MAX_ROWS` for the other linears), and an "sdpa" target's attention reads its key/value cache
+unrepeated (`verify_attention.py`). On leaving it, normally or by an exception, every module class and the config are
+exactly what they were: nothing is left on the user's model between passes. The two products agree to float rounding
+(the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False` to turn it off.
 
 `padded_steps(model)` is the kernel-neutral baseline that `dspark-hf bench` sets beside plain decoding: within it,
 every one-token decoding step of `generate()` runs as two rows (the token twice, the second copy cropped from the
@@ -36,7 +34,6 @@ from torch import nn
 
 from . import verify_attention
 from .utils import linear_few_rows
-from .verify_attention import routable, route
 
 
 ENABLED = True
@@ -44,24 +41,27 @@ VERSION = 3  # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear
 MIN_ROWS = 2
 MAX_ROWS_HEAD = 8  # measured: 2.5–8x faster at 2–8 rows on 2 threads, no gain beyond 8 on 1 thread
 MAX_ROWS = 5  # the layers' projections: faster at 2–5 rows on 1 and 2 threads, slower from 6 on 1 thread
-_STATE = "_dspark_verify_state"  # on an attached model: {"on": bool}, shared with its VerifyLinears
 
 
 class VerifyLinear(nn.Linear):
-    """An `nn.Linear` that, while its model's verify flag is on, computes a few rows with `utils.linear_few_rows`.
+    """An `nn.Linear` that computes `MIN_ROWS..max_rows` rows with `utils.linear_few_rows`.
 
-    `attach` turns a model's linears into these in place (the class changes; parameters, hooks and tying stay).
+    A module is one only inside `verify_kernels` (its class is swapped in and back; parameters, hooks and tying stay).
     """
 
-    verify_state = {"on": False}  # replaced by the model's shared flag in `attach`
     max_rows = MAX_ROWS
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.verify_state["on"] and ENABLED:
-            rows = hidden.numel() // max(hidden.shape[-1], 1)
-            if MIN_ROWS <= rows <= self.max_rows:
-                return linear_few_rows(hidden, self.weight, self.bias)
+        rows = hidden.numel() // max(hidden.shape[-1], 1)
+        if MIN_ROWS <= rows <= self.max_rows:
+            return linear_few_rows(hidden, self.weight, self.bias)
         return super().forward(hidden)
+
+
+class VerifyHead(VerifyLinear):
+    """The LM head's `VerifyLinear`: a few more rows pay."""
+
+    max_rows = MAX_ROWS_HEAD
 
 
 def _eligible(module) -> bool:
@@ -74,9 +74,15 @@ def _eligible(module) -> bool:
     )
 
 
+def eligible_linears(model) -> list[nn.Linear]:
+    """The plain float32 CPU `nn.Linear`s of `model` that verify passes compute the few-rows way (accelerate-hooked,
+    replaced or other-typed linears are left alone)."""
+    return [m for m in model.modules() if _eligible(m)]
+
+
 def eligible(model) -> bool:
-    """Whether `attach` takes any of the model's linears (or has already)."""
-    return hasattr(model, _STATE) or any(_eligible(m) for m in model.modules())
+    """Whether `verify_kernels` changes any of the model's linears."""
+    return any(_eligible(m) for m in model.modules())
 
 
 def version(model) -> int:
@@ -84,45 +90,29 @@ def version(model) -> int:
     not apply, `VERSION` when its attention is routed as well (`verify_attention.routable`), else 2."""
     if not (ENABLED and eligible(model)):
         return 0
-    return VERSION if verify_attention.ENABLED and routable(model) else 2
-
-
-def attach(model) -> int:
-    """Make the model's plain float32 CPU `nn.Linear`s `VerifyLinear`s (accelerate-hooked, replaced or other-typed
-    linears are left alone). Idempotent; returns how many of its linears are `VerifyLinear`s."""
-    state = vars(model).setdefault(_STATE, {"on": False})
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    count = 0
-    for module in model.modules():
-        if _eligible(module):
-            module.__class__ = VerifyLinear
-            module.verify_state = state
-            module.max_rows = MAX_ROWS_HEAD if module is head else MAX_ROWS
-        count += isinstance(module, VerifyLinear)
-    return count
-
-
-def set_verifying(model, active: bool) -> None:
-    """Switch the attached model's few-rows products on (for the next verify pass) or off; no-op if not attached."""
-    state = getattr(model, _STATE, None)
-    if state is not None:
-        state["on"] = bool(active)
-        route(model, state["on"])  # and its attention takes SDPA's GQA (verify_attention.py)
+    return VERSION if verify_attention.ENABLED and verify_attention.routable(model) else 2
 
 
 @contextlib.contextmanager
-def verifying(model):
-    """Within the block, an attached model computes few rows the fast way; any other model is untouched."""
-    state = getattr(model, _STATE, None)
-    if state is None:
+def verify_kernels(model, linears: list[nn.Linear] | None = None):
+    """Within the block, `model` runs its verify pass with the few-rows products and, for "sdpa", unrepeated GQA.
+
+    `linears`: `eligible_linears(model)`, when the caller keeps the list between passes (the decode loop does).
+    Everything is undone on exit, also after an exception. Nested blocks are no-ops.
+    """
+    if not ENABLED:
         yield
         return
-    previous = state["on"]
-    set_verifying(model, True)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    swapped = [m for m in (eligible_linears(model) if linears is None else linears) if type(m) is nn.Linear]
+    for module in swapped:
+        module.__class__ = VerifyHead if module is head else VerifyLinear
     try:
-        yield
+        with verify_attention.routed(model):
+            yield
     finally:
-        set_verifying(model, previous)
+        for module in swapped:
+            module.__class__ = nn.Linear
 
 
 def _pad_step(kwargs: dict) -> bool:
@@ -157,21 +147,20 @@ def padded_steps(model):
     The cache must support `crop` (a `DynamicCache`, the default); only `logits` is cut back to one position (hidden
     states and attentions, if asked for, keep the junk one).
     """
-    attach(model)
-    padded = {"step": False}  # whether the forward in flight is a padded step
+    padded = {"scope": None}  # the verify scope of the padded step in flight
 
     def pad(module, args, kwargs):
         if args or not _pad_step(kwargs):
             return None
-        padded["step"] = True
-        set_verifying(model, True)
+        padded["scope"] = contextlib.ExitStack()
+        padded["scope"].enter_context(verify_kernels(model))
         return args, kwargs
 
     def crop(module, args, kwargs, output):
-        if not padded["step"]:
+        if padded["scope"] is None:
             return None
-        padded["step"] = False
-        set_verifying(model, False)
+        padded["scope"].close()
+        padded["scope"] = None
         kwargs.get("cache", kwargs.get("past_key_values")).crop(-1)  # forget the junk position
         output.logits = output.logits[:, :1]  # (B, 1, V): the real token's
         return output
@@ -185,7 +174,8 @@ def padded_steps(model):
     finally:
         for handle in handles:
             handle.remove()
-        set_verifying(model, False)
+        if padded["scope"] is not None:  # a forward raised between the two hooks
+            padded["scope"].close()
 
 
-__all__ = ["VerifyLinear", "attach", "eligible", "padded_steps", "set_verifying", "verifying", "version"]
+__all__ = ["VerifyHead", "VerifyLinear", "eligible", "eligible_linears", "padded_steps", "verify_kernels", "version"]
