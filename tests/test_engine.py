@@ -106,7 +106,7 @@ def test_queued_batch_matches_plain_greedy(target, policy):
     for request, prompt, n in zip(requests, prompts, budgets):
         assert request.output_ids == plain_output(target, prompt, n)
         assert request.finish_reason == "length"
-    assert engine.target_cache.batch_size == 0 and not engine.stats["active"]
+    assert engine.decoder.target_cache.batch_size == 0 and not engine.stats["active"]
 
 
 @pytest.mark.parametrize("policy", ["plain", "fixed", "scheduler"])
@@ -254,17 +254,14 @@ def test_steep_sps_profile_verifies_less(target):
 def test_shorter_rows_fill_the_verify_width_with_their_own_drafts(target, policy):
     """The verify is (B, W) wide for W = max ℓ_r + 1 anyway: a row whose policy cut it shorter verifies its further
     drafts up to W, as far as it sampled them (its confidences) and its cap allow; "fixed" is left as it is."""
-    from dspark_hf.engine import _Block
-
     drafter = make_drafter(target, confidence_threshold=0.5)
     engine = make_engine(target, policy, drafter=drafter, sps={b: 10.0 if b <= 5 else 1.0 for b in range(1, 14)})
     # cumulative survivals: row 0 stays high for 3 positions, row 1 falls at once, row 2 sampled only 2 positions
     confidences = [[0.99, 0.99, 0.99, 0.1], [0.1, 0.9, 0.9, 0.9], [0.3, 0.9]]
-    block = _Block(torch.zeros(3, 4, dtype=torch.long), None, [4, 4, 2], confidences)
     cut = {"threshold": [3, 0, 0], "scheduler": [2, 0, 0]}[policy]  # Algorithm 1: 5 tokens (3 anchors + 2) pay
-    assert engine._schedule(block).lengths == [cut[0], min(cut[0], 4), min(cut[0], 2)]
+    assert engine.decoder.policy.lengths(confidences, [4, 4, 2]) == [cut[0], min(cut[0], 4), min(cut[0], 2)]
     fixed = make_engine(target, "fixed", drafter=drafter)
-    assert fixed._schedule(_Block(torch.zeros(2, 4, dtype=torch.long), None, [4, 1], [[], []])).lengths == [4, 1]
+    assert fixed.decoder.policy.lengths([[], []], [4, 1]) == [4, 1]
 
 
 def test_scheduler_stops_sampling_once_the_lengths_are_settled(target):
@@ -272,8 +269,9 @@ def test_scheduler_stops_sampling_once_the_lengths_are_settled(target):
     (before its last position) instead of running the sequential head to the end; outputs stay the plain ones."""
     prompts = random_prompts([3, 8, 5, 13])
     engine = make_engine(target, "scheduler", sps=STEEP_SPS)
-    early, settled = [], engine._settled
-    engine._settled = lambda conditional, caps: early.append(settled(conditional, caps)) or early[-1]
+    policy = engine.decoder.policy
+    early, settled = [], policy.settled
+    policy.settled = lambda conditional, caps: early.append(settled(conditional, caps)) or early[-1]
     assert engine.generate(prompts, max_new_tokens=12) == [plain_output(target, p, 12) for p in prompts]
     assert any(early)  # it is only asked before a block's last position
 
@@ -285,8 +283,9 @@ def test_draft_gate_keeps_outputs_and_skips_drafts_that_cannot_pay(target, draft
     and however the measured cost falls, every output is the plain one."""
     prompts = random_prompts([3, 8, 5, 13])
     engine = make_engine(target, "scheduler", gate_drafts=True, draft_seconds=draft_seconds)
-    pays, decisions = engine._drafting_pays, []
-    engine._drafting_pays = lambda: decisions.append((pays(), max(engine._caps()))) or decisions[-1][0]
+    decoder = engine.decoder
+    pays, decisions = decoder._drafting_pays, []
+    decoder._drafting_pays = lambda: decisions.append((pays(), max(decoder._caps()))) or decisions[-1][0]
     assert engine.generate(prompts, max_new_tokens=30) == [plain_output(target, p, 30) for p in prompts]
     rounds, gated = engine.stats["rounds"], engine.stats["gated_rounds"]
     if draft_seconds == 0.0:  # skipped only where no row has room for a draft (each has one token left)
@@ -302,15 +301,16 @@ def test_draft_gate_leaves_the_context_for_the_next_draft(target):
     prompts = random_prompts([3, 8, 5, 13])
     costs = itertools.cycle([0.0, 1.0, 1.0])  # free, dear, dear: the gate opens every third round
     engine = make_engine(target, "scheduler", gate_drafts=True, draft_seconds=lambda rows: next(costs))
-    draft, checked = engine._draft, []
+    decoder = engine.decoder
+    draft, checked = decoder._draft, []
 
     def checked_draft():
-        hidden = draft()
-        assert engine.drafter_cache.lengths().tolist() == [row.anchor_position for row in engine.rows]
+        drafts = draft()
+        assert decoder.candidates.cache.lengths().tolist() == [row.anchor_position for row in engine.rows]
         checked.append(len(engine.rows))
-        return hidden
+        return drafts
 
-    engine._draft = checked_draft
+    decoder._draft = checked_draft
     assert engine.generate(prompts, max_new_tokens=30) == [plain_output(target, p, 30) for p in prompts]
     assert engine.stats["gated_rounds"] > 0 and len(checked) > 2
 
@@ -386,7 +386,7 @@ def test_concurrent_adds_while_the_loop_runs(target):
 def test_failed_step_ends_every_request(target, monkeypatch):
     engine = make_engine(target, "fixed", max_batch_size=1)
     running, queued = engine.add_request([1, 2, 3]), engine.add_request([4, 5])
-    monkeypatch.setattr(engine, "_verify", lambda block: (_ for _ in ()).throw(RuntimeError("device lost")))
+    monkeypatch.setattr(engine.decoder, "_verify", lambda drafts: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     assert running.finish_reason == queued.finish_reason == "error" and not engine.has_unfinished()
@@ -427,7 +427,7 @@ def test_bad_engine_arguments(target, drafter):
         Engine(target, drafter, verify_policy="sometimes")
     with pytest.raises(ValueError, match="needs a drafter"):
         Engine(target, verify_policy="fixed")
-    with pytest.raises(TypeError, match="DSpark drafter"):
+    with pytest.raises(TypeError, match="DSpark or EAGLE-3 drafter"):
         Engine(target, make_target())
     for bad in (0, drafter.config.block_size + 1, 2.0, True):
         with pytest.raises(ValueError, match="num_assistant_tokens"):
@@ -621,7 +621,7 @@ def test_ragged_cache_emptied_by_trim_keeps_its_batch_axis():
 
 
 def test_short_sps_profile_is_extended():
-    from dspark_hf.engine import _covering_sps
+    from dspark_hf.policy import covering_sps as _covering_sps
 
     table = {b: 50.0 for b in range(1, 6)}
     sps = _covering_sps(table, 40)

@@ -19,7 +19,7 @@ from dspark_hf.evaluation import (
     run_evaluation,
     stats_from_rounds,
 )
-from dspark_hf.generation import record_draft_rounds
+from dspark_hf.stats import record_draft_rounds
 from dspark_hf.hub import model_card
 from helpers import char_tokenizer, pin_drafter
 
@@ -197,7 +197,7 @@ def test_logged_rounds_match_the_drafters_own_stats():
     with record_draft_rounds() as rounds:
         target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter)
     own, logged = drafter.generation_stats, stats_from_rounds(rounds)
-    assert rounds[0].first and rounds[0].proposed == 0 and all(r.seconds > 0 for r in rounds)
+    assert not any(r.first for r in rounds) and all(r.seconds > 0 for r in rounds)
     assert logged.verify_lengths == own.verify_lengths and logged.accepted_lengths == own.accepted_lengths
     assert logged.stopped == own.stopped
 

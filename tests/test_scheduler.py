@@ -3,16 +3,14 @@
 import pytest
 
 from dspark_hf import DSparkConfig
+from dspark_hf.policy import VerifyPolicy
 from dspark_hf.scheduler import (
     DraftGate,
-    PrefixAdmission,
     SPSCurve,
-    build_admission,
     conditional_confidences,
     drafting_pays,
     prefix_schedule,
     settled_prefix_schedule,
-    threshold_admission,
     verify_width,
 )
 
@@ -50,16 +48,11 @@ def test_confidences_must_be_probabilities():
         prefix_schedule([[1.5]], {1: 1.0, 2: 1.0})
 
 
-def test_incremental_admission_equals_prefix_schedule_for_one_request():
-    sps = {1: 31.0, 2: 28.0, 3: 26.0, 4: 20.0, 5: 19.0, 6: 18.5, 7: 17.0, 8: 16.5}
+def test_the_scheduler_policy_is_algorithm_1_for_one_request():
+    sps = {1: 31.0, 2: 28.0, 3: 26.0, 4: 20.0, 5: 19.0, 6: 18.5, 7: 17.0, 8: 16.5}  # no cheaper wider width
+    policy = VerifyPolicy("scheduler", sps=SPSCurve(sps))
     for conf in ([0.9, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4], [0.3, 0.9, 0.9], [0.99] * 7, [0.05]):
-        admit, survival, length = PrefixAdmission(sps), 1.0, 0
-        for k, c in enumerate(conf, start=1):
-            survival *= c
-            if not admit(k, survival):
-                break
-            length = k
-        assert [length] == prefix_schedule([conf], sps)
+        assert policy.lengths([conf], [len(conf)]) == prefix_schedule([conf], sps)
 
 
 # Verify times measured on this 2-core CPU for SmolLM2-135M (ms, context 256): 2, 3 and 7 tokens cost more than 5 or 8.
@@ -113,13 +106,7 @@ def test_padded_admission_ends_on_the_cheapest_width_in_reach():
         gamma = rng.randint(1, 8)
         sps = {b: rng.uniform(1.0, 10.0) / (1 + b / rng.uniform(2, 20)) for b in range(1, gamma + 2)}
         conf = [rng.choice([rng.random(), rng.uniform(0.7, 1.0), 0.0]) for _ in range(gamma)]
-        admit, survival, length = PrefixAdmission(sps, max_tokens=gamma + 1), 1.0, 0
-        for k, c in enumerate(conf, start=1):
-            survival *= c
-            if not admit(k, survival):
-                break
-            length = k
-        width = length + 1
+        width = VerifyPolicy("scheduler", sps=SPSCurve(sps)).lengths([conf], [gamma])[0] + 1
         assert width == verify_width(sps, prefix_schedule([conf], sps, max_tokens=gamma + 1)[0] + 1, gamma + 1)
         assert all(sps[width] >= sps[b] for b in range(width, gamma + 2))
         monotone = dict(zip(sps, sorted(sps.values(), reverse=True)))
@@ -127,9 +114,8 @@ def test_padded_admission_ends_on_the_cheapest_width_in_reach():
 
 
 def test_padded_admission_pads_after_a_zero_survival():
-    admit = PrefixAdmission(CPU_SPS, max_tokens=8)
-    assert admit(1, 0.9)  # B = 2 at the padded rate of 5 tokens
-    assert [admit(k, 0.0) for k in range(2, 8)] == [True, True, True, False, False, False]  # filled up to 5 tokens
+    policy = VerifyPolicy("scheduler", sps=SPSCurve(CPU_SPS))
+    assert policy.lengths([[0.9] + [0.0] * 6], [7]) == [4]  # B = 2 at the padded rate: filled up to 5 tokens
 
 
 def test_appendix_a_counterexample_global_search_skews_the_distribution():
@@ -164,15 +150,25 @@ def test_appendix_a_counterexample_global_search_skews_the_distribution():
     assert first_token_distribution(lambda conf: prefix_schedule([conf], sps)[0]) == pytest.approx(0.7)
 
 
-def test_threshold_and_build_admission():
-    admit = threshold_admission(0.5)
-    assert admit(1, 0.6) and not admit(2, 0.4)
-    assert build_admission(DSparkConfig(verify_policy="fixed")) is None
-    assert build_admission(DSparkConfig(confidence_head=False)) is None
-    assert build_admission(DSparkConfig(verify_policy="threshold", confidence_threshold=0.3))(1, 0.31)
+def test_verify_policies_resolved_from_the_drafter(target):
+    from conftest import make_drafter
+
+    threshold = VerifyPolicy.for_drafter(make_drafter(target, verify_policy="threshold", confidence_threshold=0.5), target)
+    # a = 0.9, 0.54, 0.49 | 0.4: ℓ = 2, 0; the verify is 3 wide anyway, so row 1 fills it with its own drafts
+    assert threshold.lengths([[0.9, 0.6, 0.9], [0.4, 1.0, 1.0]], [3, 3]) == [2, 2]
+    assert threshold.lengths([[0.9, 0.9], [1.0, 1.0]], [2, 1]) == [2, 1]  # shorter rows fill the width, within cap
+    assert VerifyPolicy.for_drafter(make_drafter(target, verify_policy="fixed"), target).lengths([[], []], [4, 2]) == [
+        4,
+        2,
+    ]
+    no_head = make_drafter(target, verify_policy="threshold", confidence_head=False)
+    assert VerifyPolicy.for_drafter(no_head, target).name == "fixed"  # no survivals: the whole block
+    scheduler = VerifyPolicy.for_drafter(make_drafter(target), target, "scheduler", sps={1: 1.0, 2: 1.0})
+    assert scheduler.name == "scheduler" and scheduler.gate is not None  # the config's draft gate
     with pytest.raises(ValueError, match="steps-per-second profile"):
-        build_admission(DSparkConfig(verify_policy="scheduler"))
-    assert isinstance(build_admission(DSparkConfig(verify_policy="scheduler"), {1: 1.0, 2: 1.0}), PrefixAdmission)
+        VerifyPolicy("scheduler")
+    with pytest.raises(ValueError, match="verify_policy"):
+        VerifyPolicy.for_drafter(make_drafter(target), target, "sometimes")
 
 
 @pytest.mark.parametrize("profile", ["flat", "loaded", "steep"])

@@ -26,6 +26,15 @@ from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
 
 
+DRAFTER_TYPES = ("dspark", "dspark_eagle3")
+
+
+def is_drafter(model) -> bool:
+    """Whether `model` is one of this package's drafters (duck-typed on `config.model_type`, so a drafter loaded with
+    `trust_remote_code` counts too)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in DRAFTER_TYPES
+
+
 def candidate_generator_for(drafter, target):
     """The candidate generator for one of this package's drafters (dispatch on `config.model_type`, so a drafter
     loaded with `trust_remote_code` works too)."""
@@ -233,4 +242,10 @@ class Eagle3CandidateGenerator(_Generator):
         return Drafts(tokens, logits, list(caps), [[] for _ in rows])
 
 
-__all__ = ["DSparkCandidateGenerator", "Eagle3CandidateGenerator", "candidate_generator_for"]
+__all__ = [
+    "DRAFTER_TYPES",
+    "DSparkCandidateGenerator",
+    "Eagle3CandidateGenerator",
+    "candidate_generator_for",
+    "is_drafter",
+]

@@ -31,6 +31,7 @@ from .candidate_generator import candidate_generator_for
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, choose_tokens, process_logits
+from .stats import RECORDERS, DraftRound
 from .verify_head import eligible_linears, verify_kernels
 
 
@@ -172,10 +173,15 @@ class SpeculativeDecoder:
         self._crop()  # a sliding-window target must see right-aligned rows from the first verify on
         if not self.rows:
             return
+        start = _clock(self.device) if RECORDERS else 0.0
         drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
+        record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
         logits, features = self._verify(drafts)
         accepted, bonus, processed = self._accept(drafts, logits)
         self._commit(drafts, accepted, bonus, processed, features)
+        if record is not None:
+            record.accepted = sum(accepted)
+            RECORDERS[-1].append(record)
 
     def _caps(self) -> list[int]:
         """Drafts each row may examine: `num_assistant_tokens`, and one fewer than its remaining budget (the bonus
@@ -190,6 +196,8 @@ class SpeculativeDecoder:
         if gate is None or gate.should_draft([row.hint for row in self.rows], self._caps()):
             return True
         self.counts["gated_rounds"] += 1
+        for row in self.rows:
+            row.stats.gated_rounds += 1
         return False
 
     def _draft(self) -> Drafts:
@@ -243,7 +251,7 @@ class SpeculativeDecoder:
             if row.do_sample:
                 n = drafts.lengths[i]
                 target_probs = torch.softmax(processed[i, : n + 1], dim=-1)  # (n + 1, V)
-                draft_probs = torch.softmax(drafts.logits[i, :n].to(self.device), dim=-1)  # (n, V)
+                draft_probs = torch.softmax(drafts.logits[i, :n].to(self.device), dim=-1) if n else processed[i, :0]
                 accepted[i], bonus[i] = accept_speculative_sampling(target_probs, draft_probs, tokens[i, :n], row.generator)
         return accepted, bonus, processed
 
@@ -284,6 +292,13 @@ class SpeculativeDecoder:
     def _features(self, out) -> torch.Tensor:
         """Tapped target layers, concatenated in `target_layer_ids` order: (B, L, m·d)."""
         return torch.cat([out.hidden_states[i].to(self.device) for i in self.taps], dim=-1)
+
+
+def _clock(device) -> float:
+    """`time.perf_counter()` after the device has finished its queued work (timing for the evaluation harness)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 __all__ = ["Drafts", "Row", "SpeculativeDecoder"]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from transformers.utils import logging
 
+from .candidate_generator import is_drafter
 from .core import SpeculativeDecoder
 from .policy import VerifyPolicy
 from .request import Request, check_sampling_settings, prompt_token_ids
@@ -52,7 +53,7 @@ class Engine:
 
     Args:
         target: a causal LM with a full-attention KV cache (Llama, Qwen2/3, Mistral, Gemma text models).
-        drafter: a DSpark drafter made for `target`, or None for plain batched decoding (the benchmark baseline).
+        drafter: a drafter of this package made for `target` (DSpark, DFlash mode, EAGLE-3), or None for plain batched decoding (the benchmark baseline).
         tokenizer: checked against the drafter's recorded tokenizer; also lets `add_request` take a string.
         max_batch_size: most requests decoded together; more wait in a queue.
         verify_policy: "fixed" | "threshold" | "scheduler"; None takes `drafter.config.verify_policy`. Without a
@@ -97,6 +98,11 @@ class Engine:
             if draft_seconds is not None:
                 raise ValueError("`draft_seconds` prices the draft gate, which needs a drafter.")
         else:
+            if not is_drafter(drafter):
+                raise TypeError(
+                    "`drafter` must be a DSpark or EAGLE-3 drafter of this package (config.model_type 'dspark' or "
+                    f"'dspark_eagle3'), got {type(drafter).__name__}."
+                )
             drafter.config.check_target(target.config, tokenizer)
             policy = VerifyPolicy.for_drafter(
                 drafter, target, verify_policy, sps=sps, max_rows=max_batch_size, gate_drafts=gate_drafts,

@@ -3,8 +3,8 @@
 For every dataset × temperature, each prompt is decoded plainly and with every drafter, in an order that rotates
 per prompt so that drifting machine load hits all alike; speed is a ratio measured in the same run. Any assistant
 that goes through `generate(assistant_model=...)` works: acceptance comes from `assistant.generation_stats` when it
-fills one (this package's drafters do), else from the rounds `generation.record_draft_rounds` logs, which also time
-each round's drafting. At T = 0 every output must equal plain greedy's, token for token; at T > 0 (sampling with a
+fills one (this package's drafters do), else from the rounds logged while it runs: `stats.record_draft_rounds` for
+this package's decoders, the timed `generate()` calls of one of transformers' own assistants (`observe_assistant`). At T = 0 every output must equal plain greedy's, token for token; at T > 0 (sampling with a
 fixed seed per prompt) losslessness is distributional, so only speed and acceptance are reported.
 
 The kernel-neutral baseline: on a CPU whose float32 one-row products are slow next to few-row ones (see
@@ -21,6 +21,7 @@ the main run's rounds grouped by how many drafts they proposed.
 import contextlib
 import functools
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,9 +31,9 @@ from transformers.utils import logging
 
 from . import verify_head
 from .bench import encode, timed_generate
-from .generation import record_draft_rounds
+from .candidate_generator import is_drafter
 from .packed_linear import inference_dtype
-from .stats import DSparkGenerationStats
+from .stats import DraftRound, DSparkGenerationStats, record_draft_rounds
 
 
 logger = logging.get_logger(__name__)
@@ -67,14 +68,56 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     if hasattr(assistant, "generation_stats"):
         assistant.generation_stats = None  # never read the previous call's
     steps = verify_head.padded_steps(target) if padded else contextlib.nullcontext()
-    with record_draft_rounds() as rounds, steps:
+    with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **generation_kwargs(temperature))
+    if own:  # one of transformers' assistants: its last round's acceptance shows only in the output's length
+        last = own[-1]
+        last.accepted = max(0, min(last.proposed, ids.shape[1] + out.numel() - last.start_length - 1))
+        rounds = own
     stats = None
     if assistant is not None:
         stats = getattr(assistant, "generation_stats", None)
         stats = stats_from_rounds(rounds) if stats is None else stats
         stats.num_prompt_tokens, stats.num_new_tokens = ids.shape[1], out.numel()
     return out.cpu(), seconds, stats, list(rounds)
+
+
+@contextlib.contextmanager
+def observe_assistant(assistant):
+    """Time the drafting rounds of one of transformers' own assistants (not this package's drafters): each round is
+    one call of its public `generate()`, wrapped on the instance for the block and restored after. A round's
+    acceptance is read from the next round's input length (the target commits the accepted drafts and one token)."""
+    rounds: list[DraftRound] = []
+    if assistant is None or is_drafter(assistant) or not hasattr(assistant, "generate"):
+        yield rounds
+        return
+    inner = assistant.generate
+
+    def timed(*args, **kwargs):
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        length = ids.shape[1]
+        if rounds:
+            rounds[-1].accepted = max(0, min(rounds[-1].proposed, length - rounds[-1].start_length - 1))
+        _sync(ids)
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        sequences = getattr(out, "sequences", out)
+        _sync(sequences)
+        record = DraftRound(start, time.perf_counter() - start, sequences.shape[1] - length, first=not rounds)
+        record.start_length = length
+        rounds.append(record)
+        return out
+
+    assistant.generate = timed
+    try:
+        yield rounds
+    finally:
+        del assistant.generate
+
+
+def _sync(tensor) -> None:
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 def _pool(stats) -> DSparkGenerationStats:

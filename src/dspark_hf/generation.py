@@ -26,6 +26,7 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 from transformers.utils import logging
 
+from .candidate_generator import is_drafter
 from .compat import check_transformers_version
 from .core import SpeculativeDecoder
 from .policy import VerifyPolicy
@@ -35,15 +36,8 @@ from .stats import DSparkGenerationStats
 
 logger = logging.get_logger(__name__)
 
-DRAFTER_TYPES = ("dspark", "dspark_eagle3")
 _MARKER = "_dspark_routing"
 _MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
-
-
-def is_drafter(model) -> bool:
-    """Whether `model` is one of this package's drafters (duck-typed on `config.model_type`, so a drafter loaded with
-    `trust_remote_code` counts too)."""
-    return getattr(getattr(model, "config", None), "model_type", None) in DRAFTER_TYPES
 
 
 class _GenerateRow(Row):
@@ -328,4 +322,4 @@ def uninstall() -> None:
         GenerationMixin.generate = current._dspark_original
 
 
-__all__ = ["DRAFTER_TYPES", "generate", "install", "is_drafter", "speculative_generate", "uninstall"]
+__all__ = ["generate", "install", "is_drafter", "speculative_generate", "uninstall"]

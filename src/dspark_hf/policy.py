@@ -121,6 +121,8 @@ class VerifyPolicy:
         else:  # Algorithm 1 over the batch; `reach`: the widest verify the sampled drafts can fill
             reach = len(caps) + sum(sampled)
             chosen = prefix_schedule([c[:n] for c, n in zip(conditional, sampled)], self.sps, max_tokens=reach)
+            if len(chosen) == 1:  # pad a lone row's verify to its cheapest width (acts after a zero survival)
+                chosen = [self.sps.width(chosen[0] + 1, reach) - 1]
         width = max(chosen, default=0)
         return [min(width, n) for n in sampled]
 

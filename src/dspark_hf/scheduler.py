@@ -255,65 +255,12 @@ def conditional_confidences(survival: Sequence[float]) -> list[float]:
     return out
 
 
-class PrefixAdmission:
-    """Algorithm 1 for one request, applied incrementally while the block is sampled (`admit(k, a_k)`).
-
-    With `max_tokens` (block size + 1: anchor and every draft) the rates are those of padded verifies
-    (`SPSCurve.lookup`), and where Algorithm 1 stops, the positions that fill its verify up to the cheapest width
-    (`verify_width`) are admitted as well. The greedy on padded rates already stops on such a width whenever the
-    survivals it passed are positive, so the padding step only acts after a survival of 0.
-    """
-
-    def __init__(self, sps: SPS, max_tokens: int | None = None):
-        self.lookup = SPSCurve.of(sps).lookup(max_tokens)
-        self.widths = {} if max_tokens is None else {b: verify_width(sps, b, max_tokens) for b in range(1, max_tokens)}
-        self.reset()
-
-    def reset(self) -> None:
-        self.batch, self.expected = 1, 1.0
-        self.best_theta = self.lookup(1)
-        self.width: int | None = None  # the padded verify width, once Algorithm 1 has stopped
-
-    def __call__(self, position: int, survival: float) -> bool:
-        if position == 1:
-            self.reset()
-        if self.width is None:
-            theta = (self.expected + survival) * self.lookup(self.batch + 1)
-            if theta > self.best_theta:
-                self.batch, self.expected, self.best_theta = self.batch + 1, self.expected + survival, theta
-                return True
-            self.width = self.widths.get(self.batch, self.batch)  # Algorithm 1 stops: pad its verify
-        return position < self.width  # draft `position` makes the verify `position + 1` tokens wide
-
-
-def threshold_admission(threshold: float) -> Callable[[int, float], bool]:
-    """Verify while the calibrated cumulative survival stays at or above `threshold`."""
-    return lambda position, survival: survival >= threshold
-
-
-def build_admission(config, sps: SPS | None = None) -> Callable[[int, float], bool] | None:
-    """The admission rule for `config.verify_policy`; None means verify the whole block."""
-    if config.verify_policy == "fixed" or not config.confidence_head:
-        return None
-    if config.verify_policy == "threshold":
-        return threshold_admission(config.confidence_threshold)
-    if sps is None:
-        raise ValueError(
-            'verify_policy="scheduler" needs a steps-per-second profile of the target: set `drafter.sps_profile` '
-            '(a {batch_tokens: steps_per_second} mapping) or choose verify_policy="threshold".'
-        )
-    return PrefixAdmission(sps, max_tokens=config.block_size + 1)
-
-
 __all__ = [
     "DraftGate",
-    "PrefixAdmission",
     "SPSCurve",
-    "build_admission",
     "conditional_confidences",
     "drafting_pays",
     "prefix_schedule",
     "settled_prefix_schedule",
-    "threshold_admission",
     "verify_width",
 ]

@@ -1,5 +1,6 @@
-"""Acceptance statistics of one `generate()` call, kept on `drafter.generation_stats`."""
+"""Acceptance statistics of one `generate()` call (kept on `drafter.generation_stats`), and per-round timings."""
 
+import contextlib
 from dataclasses import dataclass, field
 
 
@@ -110,3 +111,34 @@ class DSparkGenerationStats:
             merged.stopped += s.stopped
             merged.survivals += s.survivals
         return merged
+
+
+@dataclass
+class DraftRound:
+    """One drafting round, for the evaluation harness.
+
+    start: `time.perf_counter()` when drafting began; seconds: wall time of the drafting (the verify follows it);
+    proposed: drafts the round verified (summed over the batch); accepted: those the target accepted (None until
+    known); first: a round before the target's first forward (transformers' own assistants draft from the prompt).
+    """
+
+    start: float
+    seconds: float
+    proposed: int
+    first: bool = False
+    accepted: int | None = None
+
+
+RECORDERS: list[list[DraftRound]] = []
+
+
+@contextlib.contextmanager
+def record_draft_rounds():
+    """Within the block, every speculative round (of any decoder in this process) appends a `DraftRound` to the
+    yielded list."""
+    rounds: list[DraftRound] = []
+    RECORDERS.append(rounds)
+    try:
+        yield rounds
+    finally:
+        RECORDERS.remove(rounds)
