@@ -9,6 +9,7 @@ forward over a 256-token cache: as `nn.Linear` and transformers' sdpa compute th
 with both (what a verify pass runs).
 """
 
+import contextlib
 import statistics
 import time
 
@@ -26,7 +27,7 @@ WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 def main() -> None:
     target, _ = load_default_target()
     head = target.get_output_embeddings()
-    if not verify_head.attach(target):
+    if not verify_head.eligible(target):
         raise SystemExit("The target has no float32 CPU nn.Linear: the few-rows products do not apply.")
     generator = torch.Generator().manual_seed(0)
     vocab, hidden_size = head.weight.shape
@@ -39,13 +40,14 @@ def main() -> None:
 
     def run(what, k, mode):
         verify_attention.ENABLED = mode == "both"
-        verify_head.set_verifying(target, mode != "linear")
+        scope = verify_head.verify_kernels(target) if mode != "linear" else contextlib.nullcontext()
         start = time.perf_counter()
-        if what == "head":
-            head(hidden[k])
-        else:
-            target(input_ids=ids[k], cache=cache, use_cache=True)
-            cache.crop(-k)
+        with scope:
+            if what == "head":
+                head(hidden[k])
+            else:
+                target(input_ids=ids[k], cache=cache, use_cache=True)
+                cache.crop(-k)
         times[what, k, mode].append(1e3 * (time.perf_counter() - start))
 
     for i in range(17):  # 2 warm-up rounds
@@ -54,7 +56,6 @@ def main() -> None:
         if i == 1:
             for values in times.values():
                 values.clear()
-    verify_head.set_verifying(target, False)
     verify_attention.ENABLED = True
     print(
         f"{'width':>5}  {'LM head: linear':>15}  {'few rows':>8}  {'forward: linear':>15}  {'few rows':>8}  "

@@ -7,6 +7,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dspark_hf.candidate_generator import DSparkCandidateGenerator
+from dspark_hf.policy import VerifyPolicy
+from dspark_hf.rows import Row
 
 
 _PINNED = weakref.WeakKeyDictionary()  # drafter -> the rows being drafted for, while `propose` runs
@@ -59,6 +61,37 @@ def pin_drafter(drafter, sequences, diverge_at: int | None = None):
     drafter.register_forward_hook(keep_hidden, with_kwargs=True)
     drafter.draft_base_logits = draft_base_logits
     return drafter
+
+
+class _Row(Row):
+    remaining = 10**9
+
+
+class _Borrowed(torch.nn.Module):
+    """A stand-in target that only lends its embedding and LM head."""
+
+    def __init__(self, embed, lm_head):
+        super().__init__()
+        self.embed, self.lm_head = embed, lm_head
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def sample_block(drafter, target, hidden, ids, processors=None, do_sample=False, policy=None):
+    """The candidate generator's token-by-token sampling of one block: hidden (1, γ, d) after the committed ids
+    (1, L). `target`: the target, or its (embedding, LM head). Returns its `Drafts` (tokens (1, γ), logits
+    (1, γ, V) when sampling, conditional confidences)."""
+    if isinstance(target, tuple):
+        target = _Borrowed(*target)
+    row = _Row(ids[0].tolist(), do_sample=do_sample)
+    row.processors = processors
+    generator = DSparkCandidateGenerator(drafter, target)
+    policy = policy or VerifyPolicy("fixed")
+    return generator._sample(hidden, [row], [hidden.shape[1]], policy, early=policy.stops_early)
 
 
 def char_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

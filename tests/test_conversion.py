@@ -31,6 +31,7 @@ from dspark_hf.conversion import (
     is_deepspec_config,
     load_deepspec_checkpoint,
 )
+from helpers import sample_block
 
 
 REFERENCE = Path(__file__).parent / "fixtures" / "deepspec_qwen3_reference.safetensors"
@@ -493,7 +494,7 @@ def dspark_block_outputs(drafter, borrowed, input_ids, target_hidden_states, anc
     logits = drafter.block_logits(hidden.view(shape), prev, lm_head)
     confidence = drafter.confidence_logits(hidden, prev.view(1, -1)).view(1, n_blocks, gamma)
     greedy = [
-        drafter.sample_block(hidden[:, b * gamma : (b + 1) * gamma], input_ids[:, : a + 1], lm_head).tokens
+        sample_block(drafter, (embed, lm_head), hidden[:, b * gamma : (b + 1) * gamma], input_ids[:, : a + 1]).tokens
         for b, a in enumerate(anchors.tolist())
     ]
     return base, logits - base, confidence, torch.cat(greedy)

@@ -8,6 +8,7 @@ from conftest import make_drafter
 from dspark_hf import DSparkDraftModel
 from dspark_hf.engine import Engine
 from dspark_hf.utils import kept_copies
+from helpers import sample_block
 
 
 HALF = list(range(0, 99, 2))  # the even token ids of the tiny 99-token target
@@ -68,9 +69,9 @@ def test_a_head_with_a_bias_keeps_its_gathered_bias(target, dtype):
 def test_sampled_blocks_stay_in_the_draft_vocabulary(target):
     drafter = make_drafter(target, verify_policy="fixed")
     drafter.set_draft_vocab(HALF)
-    hidden, lm_head = block_hidden(drafter, target), target.get_output_embeddings()
+    hidden = block_hidden(drafter, target)
     for do_sample in (False, True):
-        block = drafter.sample_block(hidden, torch.tensor([[1, 2, 3]]), lm_head, do_sample=do_sample)
+        block = sample_block(drafter, target, hidden, torch.tensor([[1, 2, 3]]), do_sample=do_sample)
         assert len(block.tokens[0]) == drafter.config.block_size
         assert all(t % 2 == 0 for t in block.tokens[0].tolist())
 

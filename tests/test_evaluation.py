@@ -19,8 +19,8 @@ from dspark_hf.evaluation import (
     run_evaluation,
     stats_from_rounds,
 )
-from dspark_hf.stats import record_draft_rounds
 from dspark_hf.hub import model_card
+from dspark_hf.stats import record_draft_rounds
 from helpers import char_tokenizer, pin_drafter
 
 

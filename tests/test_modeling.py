@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from conftest import make_drafter
 from dspark_hf import DSparkGenerationStats
 from dspark_hf.heads import DSparkGatedMarkovHead, DSparkMarkovHead, DSparkRNNHead, survival_probabilities
+from helpers import sample_block
 
 
 def features(target, ids):
@@ -128,45 +129,57 @@ def test_survival_probabilities_apply_sts_temperatures():
     torch.testing.assert_close(survival_probabilities(logits, temps), expected)
 
 
+class _StopAfter:
+    """A policy that can stop sampling early and is settled once `limit` positions were sampled."""
+
+    stops_early = True
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def settled(self, conditional, caps):
+        return len(conditional[0]) >= self.limit
+
+
 @torch.no_grad()
-def test_sample_block_returns_processed_biased_logits(target, drafter):
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_block_sampling_returns_processed_biased_logits(target, drafter, do_sample):
     ids = torch.randint(0, 99, (1, 6))
     hidden = torch.randn(1, 4, 32)
     lm_head = target.get_output_embeddings()
-    draft = drafter.sample_block(hidden, ids, lm_head, logits_processor=lambda seq, x: x / 0.5)
-    assert draft.tokens.shape == (1, 4) and draft.logits.shape == (1, 4, 99)
+    draft = sample_block(drafter, target, hidden, ids, processors=lambda seq, x: x / 0.5, do_sample=do_sample)
+    assert draft.tokens.shape == (1, 4)
     prev = torch.cat([ids[:, -1:], draft.tokens[:, :-1]], dim=1)
     bias, _ = drafter.sequential_bias(prev, hidden)
     expected = (drafter.base_logits(hidden, lm_head) + bias) / 0.5
-    torch.testing.assert_close(draft.logits, expected)
-    assert torch.equal(draft.tokens, expected.argmax(-1))  # greedy drafts are the argmax of the biased logits
+    if do_sample:  # the distributions the drafts were drawn from, for rejection sampling
+        torch.testing.assert_close(draft.logits, expected)
+    else:  # greedy drafts are the argmax of the processed, biased logits
+        assert torch.equal(draft.tokens, expected.argmax(-1))
     # confidence is computed before each token: its input is the previous token's Markov embedding
-    conf = drafter.confidence_logits(hidden, prev)
-    torch.testing.assert_close(draft.confidence_logits, conf)
+    conf = torch.sigmoid(drafter.confidence_logits(hidden, prev) / drafter.sts_temperatures)
+    torch.testing.assert_close(torch.tensor(draft.conditional), conf)
 
 
 @torch.no_grad()
-def test_sample_block_stops_where_admission_fails(target, drafter):
-    draft = drafter.sample_block(
-        torch.randn(1, 4, 32), torch.randint(0, 99, (1, 3)), target.get_output_embeddings(), admit=lambda k, a: k <= 2
-    )
-    assert draft.tokens.shape == (1, 2) and draft.logits.shape[1] == 2
-    assert len(draft.survival) == 3  # the third position's confidence was examined, its token never sampled
+def test_block_sampling_stops_where_the_policy_is_settled(target, drafter):
+    hidden, ids = torch.randn(1, 4, 32), torch.randint(0, 99, (1, 3))
+    draft = sample_block(drafter, target, hidden, ids, policy=_StopAfter(2))
+    assert len(draft.conditional[0]) == 2 and draft.tokens[0, 2:].tolist() == [0, 0]  # positions 3, 4 never sampled
 
 
 @torch.no_grad()
-def test_sample_block_computes_base_logits_as_far_as_admission_goes(target, drafter, monkeypatch):
-    """Under an admission policy the LM head runs on the first two positions, and on the rest only if sampling gets
-    there; the drafts and logits are those of one whole-block product."""
-    hidden, ids, lm_head = torch.randn(1, 4, 32), torch.randint(0, 99, (1, 3)), target.get_output_embeddings()
-    whole = drafter.sample_block(hidden, ids, lm_head)  # no admission: one product for the block
+def test_block_sampling_computes_base_logits_as_far_as_it_goes(target, drafter, monkeypatch):
+    """Under a policy that can stop early the LM head runs on the first two positions, and on the rest only if
+    sampling gets there; the drafts are those of one whole-block product."""
+    hidden, ids = torch.randn(1, 4, 32), torch.randint(0, 99, (1, 3))
+    whole = sample_block(drafter, target, hidden, ids)  # "fixed": one product for the block
     rows, original = [], drafter.draft_base_logits
     monkeypatch.setattr(drafter, "draft_base_logits", lambda h, head: rows.append(h.shape[1]) or original(h, head))
     for limit, products in ((1, [2]), (2, [2]), (3, [2, 2]), (4, [2, 2])):
         rows.clear()
-        draft = drafter.sample_block(hidden, ids, lm_head, admit=lambda k, a, limit=limit: k <= limit)
-        assert rows == products and torch.equal(draft.tokens, whole.tokens[:, :limit])
-        torch.testing.assert_close(draft.logits, whole.logits[:, :limit])
+        draft = sample_block(drafter, target, hidden, ids, policy=_StopAfter(limit))
+        assert rows == products and torch.equal(draft.tokens[:, :limit], whole.tokens[:, :limit])
 
 
 def test_stats_per_position_and_tau():

@@ -16,6 +16,7 @@ from test_eagle3 import make_eagle
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import make_drafter, make_target
+from dspark_hf.candidate_generator import DSparkCandidateGenerator
 
 
 VOCAB, N_TOKENS = 4, 3
@@ -136,20 +137,20 @@ def test_sampling_matches_target_distribution_many_samples(sampling):
 
 
 @pytest.mark.slow
-def test_negative_control_unbiased_logits_are_detected():
+def test_negative_control_unbiased_logits_are_detected(monkeypatch):
     """Reporting softmax(U) instead of softmax(U + B) for tokens drawn from softmax(U + B) must be caught."""
     target, drafter = setup_models()
     with torch.no_grad():
         drafter.markov_head.markov_w2.weight.mul_(6.0)  # a strong bias makes the error large
-    original = drafter.sample_block
+    original = DSparkCandidateGenerator._sample
 
-    def wrong_logits(hidden_states, sequence_ids, lm_head, *args, **kwargs):
-        draft = original(hidden_states, sequence_ids, lm_head, *args, **kwargs)
+    def wrong_logits(self, hidden_states, *args, **kwargs):
+        draft = original(self, hidden_states, *args, **kwargs)
         n = draft.logits.shape[1]
-        draft.logits = drafter.base_logits(hidden_states[:, :n], lm_head)  # the bias is missing: wrong q
+        draft.logits = drafter.base_logits(hidden_states[:, :n], self.lm_head)  # the bias is missing: wrong q
         return draft
 
-    drafter.sample_block = wrong_logits
+    monkeypatch.setattr(DSparkCandidateGenerator, "_sample", wrong_logits)
     probs = exact_joint(target, warpers())
     torch.manual_seed(1234)
     rejects, stat, critical = chi_square_rejects(draw(target, drafter, 3000), probs)

@@ -2,7 +2,6 @@
 
 import pytest
 
-from dspark_hf import DSparkConfig
 from dspark_hf.policy import VerifyPolicy
 from dspark_hf.scheduler import (
     DraftGate,
@@ -153,7 +152,9 @@ def test_appendix_a_counterexample_global_search_skews_the_distribution():
 def test_verify_policies_resolved_from_the_drafter(target):
     from conftest import make_drafter
 
-    threshold = VerifyPolicy.for_drafter(make_drafter(target, verify_policy="threshold", confidence_threshold=0.5), target)
+    threshold = VerifyPolicy.for_drafter(
+        make_drafter(target, verify_policy="threshold", confidence_threshold=0.5), target
+    )
     # a = 0.9, 0.54, 0.49 | 0.4: ℓ = 2, 0; the verify is 3 wide anyway, so row 1 fills it with its own drafts
     assert threshold.lengths([[0.9, 0.6, 0.9], [0.4, 1.0, 1.0]], [3, 3]) == [2, 2]
     assert threshold.lengths([[0.9, 0.9], [1.0, 1.0]], [2, 1]) == [2, 1]  # shorter rows fill the width, within cap

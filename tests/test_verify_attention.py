@@ -19,8 +19,8 @@ from transformers.integrations import sdpa_attention
 from conftest import make_drafter, make_target
 from dspark_hf import verify_attention, verify_head
 from dspark_hf.engine import Engine
-from dspark_hf.verify_attention import ATTN_IMPLEMENTATION, routable, route, verify_sdpa_attention_forward
-from dspark_hf.verify_head import attach, padded_steps, set_verifying, verifying
+from dspark_hf.verify_attention import ATTN_IMPLEMENTATION, routable, verify_sdpa_attention_forward
+from dspark_hf.verify_head import padded_steps, verify_kernels
 
 
 class Attention(torch.nn.Module):
@@ -120,34 +120,29 @@ def test_every_other_case_goes_to_transformers(monkeypatch, case):
 
 def test_routed_only_while_verifying():
     target = sdpa_target()
-    assert routable(target) and attach(target)
-    with verifying(target):
+    assert routable(target)
+    with verify_kernels(target):
         assert target.config._attn_implementation == ATTN_IMPLEMENTATION
-        with verifying(target):  # nested: still routed, and the outer pass stays routed after it
+        with verify_kernels(target):  # nested: still routed, and the outer pass stays routed after it
             pass
         assert target.config._attn_implementation == ATTN_IMPLEMENTATION
     assert target.config._attn_implementation == "sdpa"
-    with pytest.raises(RuntimeError), verifying(target):
+    with pytest.raises(RuntimeError), verify_kernels(target):
         raise RuntimeError("a failed verify")
     assert target.config._attn_implementation == "sdpa"  # restored however the pass ends
-    set_verifying(target, True)
-    set_verifying(target, False)
-    assert target.config._attn_implementation == "sdpa"
 
     eager = make_target()  # eager (and flash, flex, ...) attention is never routed
-    attach(eager)
-    with verifying(eager):
+    with verify_kernels(eager):
         assert eager.config._attn_implementation == "eager"
     assert not routable(sdpa_target().to("meta"))  # not on the CPU
 
 
 def test_switch_off(monkeypatch):
     target = sdpa_target()
-    attach(target)
     assert verify_head.version(target) == verify_head.VERSION == 3
     monkeypatch.setattr(verify_attention, "ENABLED", False)
-    route(target, True)
-    assert target.config._attn_implementation == "sdpa"
+    with verify_kernels(target):
+        assert target.config._attn_implementation == "sdpa"
     assert verify_head.version(target) == 2  # profiles taken now record the kernels without the attention
 
 
@@ -160,16 +155,15 @@ def test_profiles_record_whether_the_attention_is_routed():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_verify_logits_unchanged(monkeypatch, family):
     target = sdpa_target(family)
-    attach(target)
     ids = torch.randint(0, 99, (1, 9))
     with torch.no_grad():
         cache = DynamicCache(config=target.config)
         target(ids[:, :6], cache=cache, use_cache=True)
-        with verifying(target):
+        with verify_kernels(target):
             routed = target(ids[:, 6:], cache=cache, use_cache=True).logits
         cache.crop(-3)
         monkeypatch.setattr(verify_attention, "ENABLED", False)
-        with verifying(target):
+        with verify_kernels(target):
             plain = target(ids[:, 6:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(routed, plain, rtol=0, atol=1e-6)
 

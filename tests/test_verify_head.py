@@ -1,8 +1,5 @@
 """The few-rows products of verify passes (`verify_head`): same products, used only while verifying, lossless."""
 
-import copy
-import pickle
-
 import pytest
 import torch
 from torch import nn
@@ -10,7 +7,7 @@ from torch import nn
 from conftest import make_drafter, make_target
 from dspark_hf import verify_head
 from dspark_hf.engine import Engine
-from dspark_hf.verify_head import VerifyLinear, attach, eligible, padded_steps, set_verifying, verifying
+from dspark_hf.verify_head import VerifyHead, VerifyLinear, eligible, eligible_linears, padded_steps, verify_kernels
 
 
 def count_calls(monkeypatch) -> list[tuple[int, int]]:
@@ -25,15 +22,22 @@ def count_calls(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
-def test_attach_takes_the_plain_float32_cpu_linears():
+def test_verify_kernels_take_the_plain_float32_cpu_linears_and_give_them_back():
     target = make_target()
     head, linears = target.lm_head, [m for m in target.modules() if type(m) is nn.Linear]
-    weight = head.weight
-    assert eligible(target) and attach(target) == len(linears) == 4 * 7 + 1
-    assert attach(target) == len(linears)  # idempotent
-    assert all(isinstance(m, VerifyLinear) for m in linears)
-    assert head.max_rows == verify_head.MAX_ROWS_HEAD and linears[0].max_rows == verify_head.MAX_ROWS
+    weight, attributes = head.weight, [sorted(vars(m)) for m in linears]
+    assert eligible(target) and len(eligible_linears(target)) == len(linears) == 4 * 7 + 1
+    with verify_kernels(target):
+        assert type(head) is VerifyHead and all(isinstance(m, VerifyLinear) for m in linears)
+        assert head.max_rows == verify_head.MAX_ROWS_HEAD and linears[0].max_rows == verify_head.MAX_ROWS
+        with verify_kernels(target):  # nested: a no-op, and the outer scope stays
+            pass
+        assert type(head) is VerifyHead
+    assert all(type(m) is nn.Linear for m in linears) and [sorted(vars(m)) for m in linears] == attributes
     assert head.weight is weight and target.state_dict().keys() == make_target().state_dict().keys()
+    with pytest.raises(RuntimeError), verify_kernels(target):
+        raise RuntimeError("a failed verify")
+    assert all(type(m) is nn.Linear for m in linears)  # restored after an exception too
     assert not eligible(make_target().to(torch.bfloat16))  # bf16 linears have no slow few-row path
 
     class Custom(nn.Linear):
@@ -41,44 +45,56 @@ def test_attach_takes_the_plain_float32_cpu_linears():
 
     model = nn.Sequential(Custom(8, 50), nn.Linear(8, 50), nn.Embedding(5, 8))
     model[1].forward = lambda x: x  # someone else's forward (e.g. a hook library): left alone
-    assert not eligible(model) and attach(model) == 0
+    assert not eligible(model) and eligible_linears(model) == []
 
 
 def test_few_rows_only_while_verifying(monkeypatch):
     calls = count_calls(monkeypatch)
     model = nn.Sequential(nn.Linear(8, 8))
-    attach(model)
     model(torch.randn(1, 4, 8))
     assert calls == []  # not verifying: nn.Linear's own forward
-    with verifying(model):
+    with verify_kernels(model):
         for rows in (1, 2, 5, 6):
             model(torch.randn(1, rows, 8))
         model(torch.randn(2, 2, 8))  # 4 rows over two sequences
     assert calls == [(8, 2), (8, 5), (8, 4)]
-    set_verifying(model, True)
-    set_verifying(model, False)
     model(torch.randn(1, 3, 8))
     monkeypatch.setattr(verify_head, "ENABLED", False)
-    with verifying(model):
+    with verify_kernels(model):
         model(torch.randn(1, 3, 8))
     assert len(calls) == 3
 
 
-def test_attached_model_survives_copy_and_pickle():
-    target = make_target()
-    attach(target)
-    for clone in (copy.deepcopy(target), pickle.loads(pickle.dumps(target))):
-        assert isinstance(clone.lm_head, VerifyLinear)
-        torch.testing.assert_close(clone.lm_head.weight, target.lm_head.weight)
-        set_verifying(clone, True)  # the clone's linears share the clone's flag, not the original's
-        assert clone.lm_head.verify_state["on"] and clone.model.layers[0].mlp.up_proj.verify_state["on"]
-        assert not target.lm_head.verify_state["on"]
-
-
 def test_tied_head_stays_tied():
     target = make_target(tie_word_embeddings=True)
-    attach(target)
-    assert target.lm_head.weight is target.model.embed_tokens.weight
+    with verify_kernels(target):
+        assert target.lm_head.weight is target.model.embed_tokens.weight
+
+
+def _fingerprint(model) -> list:
+    """Everything generate() must leave as it found it: module classes, instance attributes, the config."""
+    modules = [(name, type(m), sorted(vars(m))) for name, m in model.named_modules()]
+    return [modules, model.config.to_json_string(), model.config._attn_implementation, sorted(vars(model))]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_generate_leaves_the_target_as_it_found_it(attn):
+    target = make_target(attn_implementation=attn)
+    drafter = make_drafter(target, verify_policy="fixed")
+    ids = torch.randint(0, 99, (2, 7))
+    target(ids, output_hidden_states=True)  # transformers marks its own output-capture hooks on first use
+    before = _fingerprint(target)
+    target.generate(ids, do_sample=False, max_new_tokens=9, assistant_model=drafter)
+    assert _fingerprint(target) == before
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    handle = target.model.layers[1].register_forward_hook(lambda *a: fail() if a[1][0].shape[1] > 1 else None)
+    with pytest.raises(RuntimeError, match="device lost"):  # the prefill (7 rows) raises inside a forward
+        target.generate(ids, do_sample=False, max_new_tokens=9, assistant_model=drafter)
+    handle.remove()
+    assert _fingerprint(target) == before
 
 
 def test_generate_verifies_with_few_rows_and_stays_identical(monkeypatch):
@@ -90,15 +106,15 @@ def test_generate_verifies_with_few_rows_and_stays_identical(monkeypatch):
     assert calls == [] and type(target.lm_head) is nn.Linear  # plain generate() does not touch the target
     out = target.generate(ids, do_sample=False, max_new_tokens=25, assistant_model=drafter)
     assert torch.equal(out, plain)
-    assert isinstance(target.lm_head, VerifyLinear) and not target.lm_head.verify_state["on"]
+    assert type(target.lm_head) is nn.Linear  # the kernels were scoped to each verify pass
     gamma = drafter.config.block_size
     head_rows = [rows for out_features, rows in calls if out_features == 99]
     assert max(head_rows) == gamma + 1 and min(head_rows) >= 2  # verifies (the last may be cut by max_length)
-    assert len(head_rows) <= drafter.generation_stats.num_target_forwards - 1  # never the prefill
+    assert len(head_rows) <= drafter.generation_stats.num_target_forwards  # never the prefill
     assert len(calls) == len(head_rows) * (1 + 4 * 7)  # every linear of the target in each verify
     calls.clear()
     assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=25), plain)
-    assert calls == []  # attached, but plain decoding never verifies
+    assert calls == []  # plain decoding never verifies
 
 
 def test_engine_verifies_with_few_rows(monkeypatch):
@@ -114,14 +130,14 @@ def test_engine_verifies_with_few_rows(monkeypatch):
     assert calls and all(2 <= rows <= 5 for _, rows in calls)
 
 
-def test_drafter_still_multiplies_an_attached_head_itself():
-    """An attached head is still a plain linear to the drafter: its draft vocabulary and few-rows product apply (the
-    head's module forward would compute the whole vocabulary)."""
+def test_drafter_still_multiplies_a_verify_head_itself():
+    """Inside a verify scope the head is still a plain linear to the drafter: its draft vocabulary and few-rows
+    product apply (the head's module forward would compute the whole vocabulary)."""
     target = make_target()
     drafter = make_drafter(target)
     drafter.set_draft_vocab(torch.arange(0, 99, 2))
-    attach(target)
-    logits = drafter.draft_base_logits(torch.randn(1, 4, 32), target.get_output_embeddings())
+    with verify_kernels(target):
+        logits = drafter.draft_base_logits(torch.randn(1, 4, 32), target.get_output_embeddings())
     assert torch.isinf(logits[..., 1::2]).all() and torch.isfinite(logits[..., 0::2]).all()
 
 
@@ -155,7 +171,7 @@ def test_padded_steps_decode_plainly_with_two_rows(monkeypatch, family):
     calls.clear(), widths.clear()
     assert torch.equal(target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12), plain)
     assert calls == [] and widths == [7] + [1] * 11  # the hooks are gone
-    assert not target.lm_head.verify_state["on"]
+    assert type(target.lm_head) is nn.Linear  # no verify scope left open
 
 
 def test_padded_steps_reject_a_4d_mask():
@@ -165,4 +181,4 @@ def test_padded_steps_reject_a_4d_mask():
         out = target(input_ids=ids, use_cache=True)
         with pytest.raises(ValueError, match="2-D attention mask"):
             target(input_ids=ids[:, :1], cache=out.past_key_values, attention_mask=torch.ones(1, 1, 1, 6))
-    assert not target.lm_head.verify_state["on"]
+    assert type(target.lm_head) is nn.Linear  # no verify scope left open

@@ -224,8 +224,14 @@ class Eagle3CandidateGenerator(_Generator):
 
             drafted.append(
                 self.drafter.draft(
-                    seq, row.context[None].to(self.device), cache, self.embed_tokens, self.lm_head, cap,
-                    logits_processor=processors, do_sample=row.do_sample,
+                    seq,
+                    row.context[None].to(self.device),
+                    cache,
+                    self.embed_tokens,
+                    self.lm_head,
+                    cap,
+                    logits_processor=processors,
+                    do_sample=row.do_sample,
                 )  # fmt: skip
             )
             row.context = None

@@ -5,13 +5,10 @@ logits processors, stopping criteria and generation config), `DynamicCache`, `At
 below is either private or behaviour that the public API does not promise. Each entry: the name, where it is used,
 why, and the transformers versions it was tested with. Remove an entry when the need goes away.
 
-| name | used in | why | tested |
-|---|---|---|---|
-| `PreTrainedConfig._attn_implementation` (read, and set for one verify pass) | `verify_attention.routed` | route an "sdpa" target's attention through SDPA's own GQA for a verify pass, restored after it | 5.24, 5.25 |
-| `DynamicCache(ddp_cache_data=...)`, iterating a `DynamicCache` as (keys, values, ...) | `ragged_cache` | rebuild a cache from gathered key/value tensors (compaction, admission) | 5.24, 5.25 |
-| `custom_generate` callables get only the keyword arguments named in their signature that `GenerationMixin._sample` lacks; `assistant_model`, `streamer` and `tokenizer` are dropped | `generation` | the routing passes the drafter, streamer and tokenizer under its own names | 5.24, 5.25 |
-| `GenerationConfig.stop_strings` needs `tokenizer` in `generate()`'s mode kwargs | `generation` | the routing builds the stop-string criterion itself and hands it over as a public `stopping_criteria` | 5.24, 5.25 |
+The table is `PRIVATE_API` below.
 """
+
+from typing import NamedTuple
 
 import transformers
 from packaging import version
@@ -19,6 +16,42 @@ from transformers.utils import logging
 
 
 logger = logging.get_logger(__name__)
+
+
+class PrivateName(NamedTuple):
+    name: str
+    used_in: str
+    why: str
+    tested: tuple[str, ...]
+
+
+PRIVATE_API = (
+    PrivateName(
+        "PreTrainedConfig._attn_implementation (read; set for one verify pass, then restored)",
+        "verify_attention.routed",
+        "route an 'sdpa' target's attention through SDPA's own grouped-query attention during a verify pass",
+        ("5.24", "5.25"),
+    ),
+    PrivateName(
+        "DynamicCache(ddp_cache_data=...); iterating a DynamicCache as (keys, values, ...)",
+        "ragged_cache.RaggedCache",
+        "rebuild a cache from gathered key/value tensors (admission, compaction)",
+        ("5.24", "5.25"),
+    ),
+    PrivateName(
+        "custom_generate callables receive only the kwargs their signature names beyond GenerationMixin._sample's; "
+        "assistant_model, streamer and tokenizer are dropped",
+        "generation.install / generation.generate",
+        "the routing passes the drafter, streamer and tokenizer on under names the hook keeps",
+        ("5.24", "5.25"),
+    ),
+    PrivateName(
+        "stop_strings need `tokenizer` among generate()'s mode kwargs, which a custom_generate call drops",
+        "generation._routed_kwargs",
+        "the routing builds the StopStringCriteria itself and passes it as public `stopping_criteria`",
+        ("5.24", "5.25"),
+    ),
+)
 
 # the transformers releases this package was tested with: the public hook exists from 5.24 on (see README)
 TESTED = ("5.24", "5.25")
@@ -41,4 +74,4 @@ def check_transformers_version() -> None:
         )
 
 
-__all__ = ["MIN_VERSION", "TESTED", "check_transformers_version"]
+__all__ = ["MIN_VERSION", "PRIVATE_API", "TESTED", "PrivateName", "check_transformers_version"]

@@ -252,7 +252,9 @@ class SpeculativeDecoder:
                 n = drafts.lengths[i]
                 target_probs = torch.softmax(processed[i, : n + 1], dim=-1)  # (n + 1, V)
                 draft_probs = torch.softmax(drafts.logits[i, :n].to(self.device), dim=-1) if n else processed[i, :0]
-                accepted[i], bonus[i] = accept_speculative_sampling(target_probs, draft_probs, tokens[i, :n], row.generator)
+                accepted[i], bonus[i] = accept_speculative_sampling(
+                    target_probs, draft_probs, tokens[i, :n], row.generator
+                )
         return accepted, bonus, processed
 
     def _commit(self, drafts: Drafts, accepted, bonus, processed, features) -> None:

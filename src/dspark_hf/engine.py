@@ -53,7 +53,8 @@ class Engine:
 
     Args:
         target: a causal LM with a full-attention KV cache (Llama, Qwen2/3, Mistral, Gemma text models).
-        drafter: a drafter of this package made for `target` (DSpark, DFlash mode, EAGLE-3), or None for plain batched decoding (the benchmark baseline).
+        drafter: a drafter of this package made for `target` (DSpark, DFlash mode, EAGLE-3), or None for plain
+            batched decoding (the benchmark baseline).
         tokenizer: checked against the drafter's recorded tokenizer; also lets `add_request` take a string.
         max_batch_size: most requests decoded together; more wait in a queue.
         verify_policy: "fixed" | "threshold" | "scheduler"; None takes `drafter.config.verify_policy`. Without a
@@ -109,7 +110,11 @@ class Engine:
                 draft_seconds=draft_seconds,
             )  # fmt: skip
         self.decoder = SpeculativeDecoder(
-            target, drafter, policy=policy, num_assistant_tokens=num_assistant_tokens, compact_fraction=compact_fraction
+            target,
+            drafter,
+            policy=policy,
+            num_assistant_tokens=num_assistant_tokens,
+            compact_fraction=compact_fraction,
         )
         self.block_size = self.decoder.block_size
         self._waiting: deque[Request] = deque()

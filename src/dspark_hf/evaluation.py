@@ -4,8 +4,9 @@ For every dataset × temperature, each prompt is decoded plainly and with every 
 per prompt so that drifting machine load hits all alike; speed is a ratio measured in the same run. Any assistant
 that goes through `generate(assistant_model=...)` works: acceptance comes from `assistant.generation_stats` when it
 fills one (this package's drafters do), else from the rounds logged while it runs: `stats.record_draft_rounds` for
-this package's decoders, the timed `generate()` calls of one of transformers' own assistants (`observe_assistant`). At T = 0 every output must equal plain greedy's, token for token; at T > 0 (sampling with a
-fixed seed per prompt) losslessness is distributional, so only speed and acceptance are reported.
+this package's decoders, the timed `generate()` calls of one of transformers' own assistants (`observe_assistant`).
+At T = 0 every output must equal plain greedy's, token for token; at T > 0 (sampling with a fixed seed per prompt)
+losslessness is distributional, so only speed and acceptance are reported.
 
 The kernel-neutral baseline: on a CPU whose float32 one-row products are slow next to few-row ones (see
 `verify_head`), part of any speedup over plain decoding is the kernel, not speculation. Where the target's verifies

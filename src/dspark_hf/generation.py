@@ -2,8 +2,8 @@
 
 Two ways in, both batched (left-padded prompts, each row token-identical to its own plain greedy decoding):
 
-    target.generate(**inputs, custom_generate=dspark_hf.speculative_generate, drafter=drafter)   # no patching at all
-    target.generate(**inputs, assistant_model=drafter)                                            # after import dspark_hf
+    target.generate(**inputs, custom_generate=dspark_hf.speculative_generate, drafter=drafter)  # no patching
+    target.generate(**inputs, assistant_model=drafter)  # after import dspark_hf
 
 `generate()` prepares the generation config, logits processors, stopping criteria and attention mask, then calls
 `speculative_generate` in place of its own loop. That callable only receives keyword arguments its signature names
@@ -193,8 +193,15 @@ def speculative_generate(
         token_streamer.put(input_ids.cpu())
     rows = [
         _GenerateRow(
-            padding, prompt, processors=processors, others=others, eos=eos, max_length=max_length,
-            do_sample=bool(generation_config.do_sample), keep_scores=keep_scores, streamer=token_streamer,
+            padding,
+            prompt,
+            processors=processors,
+            others=others,
+            eos=eos,
+            max_length=max_length,
+            do_sample=bool(generation_config.do_sample),
+            keep_scores=keep_scores,
+            streamer=token_streamer,
             block_size=drafter.config.block_size,
         )  # fmt: skip
         for padding, prompt in _prompts(input_ids, model_kwargs.get("attention_mask"))
@@ -255,7 +262,8 @@ def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int
 
 
 def _routed_kwargs(model, kwargs: dict) -> dict:
-    """`generate()` keyword arguments with `assistant_model=<drafter>` turned into the explicit custom_generate form."""
+    """`generate()` keyword arguments with `assistant_model=<drafter>` turned into the explicit custom_generate
+    form."""
     kwargs = dict(kwargs)
     drafter = kwargs.pop("assistant_model")
     if kwargs.get("custom_generate") is not None:

@@ -37,7 +37,6 @@ from . import packed_linear
 from .configuration_dspark import DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, DSparkConfidenceHead, survival_probabilities
 from .utils import gathered_rows
-from .verify_head import VerifyLinear
 
 
 logger = logging.get_logger(__name__)
@@ -186,9 +185,10 @@ class DSparkBlockDraft:
 
 
 def _plain_linear(module: nn.Module) -> bool:
-    """An unhooked `nn.Linear` (or the verify head it becomes, `verify_head.VerifyLinear`), whose weight can be
-    multiplied directly (or its rows picked)."""
-    return type(module) in (nn.Linear, VerifyLinear) and not (module._forward_hooks or module._forward_pre_hooks)
+    """An unhooked `nn.Linear` whose weight can be multiplied directly (or its rows picked); a subclass counts if it
+    keeps `nn.Linear`'s parameters and only changes how the product is computed (the verify kernels' classes)."""
+    plain = type(module) is nn.Linear or getattr(type(module), "computes_as_linear", False)
+    return plain and not (module._forward_hooks or module._forward_pre_hooks)
 
 
 class DrafterMixin:

@@ -34,7 +34,9 @@ class VerifyPolicy:
         gate: a `DraftGate` (only under "scheduler"), or None.
     """
 
-    def __init__(self, name: str, *, threshold: float = 0.0, sps: SPSCurve | None = None, gate: DraftGate | None = None):
+    def __init__(
+        self, name: str, *, threshold: float = 0.0, sps: SPSCurve | None = None, gate: DraftGate | None = None
+    ):
         if name not in VERIFY_POLICIES:
             raise ValueError(f"Unknown verify_policy={name!r}; choose one of {list(VERIFY_POLICIES)}.")
         if name == "scheduler" and sps is None:

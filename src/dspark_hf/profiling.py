@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
 from .scheduler import SPS
-from .verify_head import attach, verifying, version
+from .verify_head import eligible_linears, verify_kernels, version
 
 
 logger = logging.get_logger(__name__)
@@ -145,7 +145,7 @@ def profile_target(
     # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns); older model code keeps the old one
     cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
-    attach(target)  # verify passes use the few-rows products where they apply (verify_head.py)
+    linears = eligible_linears(target)  # verify passes use the few-rows products where they apply (verify_head.py)
 
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
@@ -164,7 +164,7 @@ def profile_target(
                     ids = random_ids(b, k)
                     _sync(device)
                     start = time.perf_counter()
-                    with verifying(target):
+                    with verify_kernels(target, linears):
                         target(input_ids=ids, use_cache=True, **{cache_arg: cache})
                     _sync(device)
                     elapsed = time.perf_counter() - start
@@ -253,7 +253,7 @@ def load_profile(path: str | os.PathLike) -> dict:
 
 
 def sps_table(profile: dict) -> dict[int, float]:
-    """{verify-batch tokens B: steps per second}, what `build_admission` / Algorithm 1 take."""
+    """{verify-batch tokens B: steps per second}, what Algorithm 1 takes (`policy.VerifyPolicy`)."""
     return {int(b): float(v) for b, v in sorted(profile["sps"].items(), key=lambda kv: int(kv[0]))}
 
 

@@ -50,6 +50,7 @@ class VerifyLinear(nn.Linear):
     """
 
     max_rows = MAX_ROWS
+    computes_as_linear = True  # the same product as `nn.Linear` (modeling_dspark's `_plain_linear` reads this)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.numel() // max(hidden.shape[-1], 1)
