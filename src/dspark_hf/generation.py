@@ -136,6 +136,25 @@ def _check_call(model, generation_config, model_kwargs) -> None:
         )
 
 
+# processors that need the whole batch, or a batch index, in one call; rows here are processed one by one
+_BATCH_PROCESSORS = {
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+}
+
+
+def _check_processors(processors, batch_size: int) -> None:
+    for processor in processors or []:
+        option = _BATCH_PROCESSORS.get(type(processor).__name__)
+        if option == "guidance_scale" or (option is not None and batch_size > 1):
+            raise ValueError(
+                f"Speculative decoding with a DSpark drafter processes each row's logits on their own, which "
+                f"`{option}` does not allow{' at batch size > 1' if option != 'guidance_scale' else ''}; drop it, "
+                "or decode without the drafter."
+            )
+
+
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[list[int], list[int]]]:
     """(padding, prompt) per row of a left-padded batch."""
     ids = input_ids.tolist()
@@ -186,6 +205,7 @@ def speculative_generate(
     eos, max_length, others = _split_stopping(stopping_criteria)
     max_length = generation_config.max_length if max_length is None else max_length
     processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+    _check_processors(processors, input_ids.shape[0])
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     if generation_config.return_dict_in_generate and generation_config.output_logits:
         raise ValueError("`output_logits` is not supported with a DSpark drafter; use `output_scores`.")

@@ -1,0 +1,183 @@
+"""generate() with a drafter at batch > 1: every row is its own plain greedy decoding, and the round is one core."""
+
+import pytest
+import torch
+from transformers import pipeline
+
+from conftest import make_drafter, make_target
+from dspark_hf import speculative_generate
+from dspark_hf.core import SpeculativeDecoder
+from dspark_hf.policy import VerifyPolicy
+from dspark_hf.rows import Row
+from helpers import char_tokenizer, pin_drafter
+
+
+PAD = 0
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def plain_rows(target, prompts, **kwargs) -> list[list[int]]:
+    """Each prompt decoded alone with plain greedy generate(): its new tokens."""
+    return [target.generate(torch.tensor([p]), do_sample=False, **kwargs)[0, len(p) :].tolist() for p in prompts]
+
+
+def new_tokens(out: torch.Tensor, width: int) -> list[list[int]]:
+    return out[:, width:].tolist()
+
+
+PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 7, 33, 8], [61], [12, 90, 4, 4, 71]]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "threshold"])
+def test_rows_of_different_lengths_match_their_own_greedy(target, policy):
+    drafter = make_drafter(target, verify_policy=policy)
+    ids, mask = left_padded(PROMPTS)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=19, assistant_model=drafter)
+    assert new_tokens(out, ids.shape[1]) == plain_rows(target, PROMPTS, max_new_tokens=19)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=19, pad_token_id=PAD)
+    assert torch.equal(out, plain)  # and the batch is plain batched generate()'s, padding included
+    assert drafter.generation_stats.num_new_tokens == 4 * 19
+
+
+def test_oracle_rows_verify_their_own_drafts(target):
+    ids, mask = left_padded(PROMPTS)
+    refs = [p + r for p, r in zip(PROMPTS, plain_rows(target, PROMPTS, max_new_tokens=21))]
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), refs, diverge_at=None)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=21, assistant_model=drafter)
+    assert new_tokens(out, ids.shape[1]) == [r[len(p) :] for p, r in zip(PROMPTS, refs)]
+    stats = drafter.generation_stats
+    assert stats.per_position_acceptance == [1.0] * drafter.config.block_size
+    assert stats.num_target_forwards == 4 * 4  # (21 - 1) new tokens per row, γ + 1 = 5 a round, 4 rows
+
+
+def test_diverging_drafter_in_a_batch(target):
+    ids, mask = left_padded(PROMPTS)
+    refs = [p + r for p, r in zip(PROMPTS, plain_rows(target, PROMPTS, max_new_tokens=17))]
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), refs, diverge_at=2)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=17, assistant_model=drafter)
+    assert new_tokens(out, ids.shape[1]) == [r[len(p) :] for p, r in zip(PROMPTS, refs)]
+    assert drafter.generation_stats.per_position_acceptance[:3] == [1.0, 1.0, 0.0]
+
+
+def test_a_row_that_hits_eos_first_is_padded_and_stops_costing():
+    target = make_target()
+    ids, mask = left_padded(PROMPTS)
+    long = plain_rows(target, PROMPTS, max_new_tokens=20)
+    eos = long[1][4]  # row 1's 5th new token becomes EOS: it finishes early, the others run on (or stop too)
+    target.generation_config.eos_token_id = eos
+    target.generation_config.pad_token_id = PAD
+    drafter = make_drafter(target, verify_policy="fixed")
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, assistant_model=drafter)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    assert torch.equal(out, plain)
+    row = out[1, ids.shape[1] :].tolist()
+    assert row[: row.index(eos) + 1] == long[1][: long[1].index(eos) + 1] and set(row[row.index(eos) + 1 :]) <= {PAD}
+    rounds = drafter.generation_stats.num_target_forwards
+    assert rounds < 4 * drafter.generation_stats.num_new_tokens  # a finished row takes no more verify rounds
+
+
+@pytest.mark.parametrize("with_eos", [True, False])
+def test_rows_stopping_on_different_stop_strings(with_eos):
+    target = make_target()
+    tok = char_tokenizer(99)
+    ids, mask = left_padded(PROMPTS)
+    long = plain_rows(target, PROMPTS, max_new_tokens=24)
+    stops = [tok.decode(long[0][6:8]), tok.decode(long[2][10:12])]  # rows 0 and 2 stop early, on different strings
+    if with_eos:
+        target.generation_config.eos_token_id = 98  # with an EOS criterion a stopped row is padded, else it runs on
+        target.generation_config.pad_token_id = PAD
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, stop_strings=stops, tokenizer=tok)
+    plain = target.generate(ids, **kw)
+    out = target.generate(ids, assistant_model=make_drafter(target, verify_policy="fixed"), **kw)
+    assert torch.equal(out, plain)
+
+
+def test_explicit_custom_generate_form(target, drafter):
+    ids, mask = left_padded(PROMPTS[:2])
+    out = target.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=12, custom_generate=speculative_generate,
+        drafter=drafter,
+    )  # fmt: skip
+    assert new_tokens(out, ids.shape[1]) == plain_rows(target, PROMPTS[:2], max_new_tokens=12)
+    assert drafter.generation_stats.num_target_forwards > 0
+
+
+def test_pipeline_with_batch_size(target, drafter):
+    tok = char_tokenizer(99)
+    tok.pad_token, tok.padding_side = tok.convert_ids_to_tokens(PAD), "left"
+    pipe = pipeline("text-generation", model=target, tokenizer=tok)
+    texts = ["Hello DSpark", "abc", "a longer prompt here"]
+    ref = [pipe(t, max_new_tokens=10, do_sample=False) for t in texts]
+    out = pipe(texts, max_new_tokens=10, do_sample=False, batch_size=3, assistant_model=drafter)
+    assert out == ref
+
+
+def test_batch_dependent_processor_is_refused(target, drafter):
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
+        target.generate(
+            ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter,
+            prefix_allowed_tokens_fn=lambda batch_id, sent: list(range(99)),
+        )  # fmt: skip
+
+
+def test_wrong_target_is_named_before_transformers_checks(drafter):
+    other = make_target(vocab_size=120)
+    with pytest.raises(ValueError, match="made for"):
+        other.generate(torch.randint(0, 99, (1, 4)), max_new_tokens=3, assistant_model=drafter)
+
+
+# -- host syncs -----------------------------------------------------------------------------------------------------
+
+
+class _Greedy(Row):
+    def __init__(self, prompt, budget):
+        super().__init__(prompt)
+        self.budget = budget
+
+    @property
+    def remaining(self):
+        return self.budget - (len(self.seq) - self.stats.num_prompt_tokens)
+
+    def commit(self, tokens, scores=None):
+        taken = tokens[: self.remaining]
+        self.finished = len(taken) == self.remaining
+        return len(taken)
+
+
+def syncs_per_round(monkeypatch, block_size: int, batch: int) -> list[int]:
+    """Host syncs (.item, .tolist, .cpu, bool/int/float of a tensor) in each of a decoder's rounds."""
+    target = make_target()
+    drafter = make_drafter(target, block_size=block_size, verify_policy="threshold", confidence_threshold=0.0)
+    decoder = SpeculativeDecoder(
+        target, drafter, policy=VerifyPolicy.for_drafter(drafter, target), stop_sampling_early=False
+    )
+    decoder.prefill([_Greedy(torch.randint(0, 99, (5 + i,)).tolist(), 200) for i in range(batch)])
+    count = [0]
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    per_round = []
+    for _ in range(4):
+        count[0] = 0
+        decoder.step()
+        per_round.append(count[0])
+    monkeypatch.undo()
+    return per_round
+
+
+def test_host_syncs_per_round_do_not_grow_with_block_or_batch(monkeypatch):
+    counts = {(g, b): syncs_per_round(monkeypatch, g, b) for g in (4, 8) for b in (1, 3)}
+    assert len({tuple(c) for c in counts.values()}) == 1, counts  # the same, whatever the block and batch size
+    assert max(counts[4, 1]) <= 12, counts
