@@ -36,11 +36,11 @@ def warpers(temperature=1.0, top_k=None, top_p=None) -> LogitsProcessorList:
 
 
 @torch.no_grad()
-def exact_joint(target, processors) -> dict[tuple, float]:
+def exact_joint(target, processors, prompt=PROMPT) -> dict[tuple, float]:
     """P(x1, x2, x3 | prompt) under the processed target distribution, by enumeration."""
     probs = {}
     for seq in itertools.product(range(VOCAB), repeat=N_TOKENS):
-        ids, p = PROMPT, 1.0
+        ids, p = prompt, 1.0
         for tok in seq:
             logits = processors(ids, target(ids).logits[:, -1].float())
             p *= torch.softmax(logits, -1)[0, tok].item()
@@ -106,6 +106,25 @@ def run_check(n, temperature=1.0, top_k=None, top_p=None, kind="dspark"):
 def test_sampling_matches_target_distribution(sampling, kind):
     (rejects, stat, critical), drafter = run_check(1500, kind=kind, **sampling)
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: {kind} sampling differs from the target's distribution"
+
+
+def test_sampling_in_a_batch_matches_each_rows_target_distribution():
+    """Two rows of different lengths (left-padded) sampled together: each row's tokens follow its own distribution."""
+    target, drafter = setup_models()
+    other = torch.tensor([[3, 1]])
+    ids = torch.tensor([PROMPT[0].tolist(), [0] * 3 + other[0].tolist()])
+    mask = torch.tensor([[1] * 5, [0] * 3 + [1] * 2])
+    torch.manual_seed(99)
+    samples = ([], [])
+    for _ in range(1000):
+        out = target.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=5, assistant_model=drafter,
+                              top_k=0, top_p=1.0)  # fmt: skip
+        for row in (0, 1):
+            samples[row].append(tuple(out[row, 5 : 5 + N_TOKENS].tolist()))
+    for row, prompt in enumerate((PROMPT, other)):
+        rejects, stat, critical = chi_square_rejects(samples[row], exact_joint(target, warpers(), prompt))
+        assert not rejects, f"row {row}: chi2 {stat:.1f} > {critical:.1f}"
+    assert max(drafter.generation_stats.verify_lengths) > 0  # it did draft
 
 
 def test_sampling_with_a_draft_vocabulary_matches_target_distribution():
