@@ -238,9 +238,11 @@ def _training_target(config):
 
 def cmd_train(args) -> int:
     from .training.config import DSparkTrainingConfig
-    from .training.trainer import DSparkTrainer
+    from .training.trainer import DSparkTrainer, check_resume
 
     config = DSparkTrainingConfig.from_file(args.config, args.set)
+    if args.resume:
+        check_resume(config)  # a refused change or damaged checkpoints fail before the target loads
     target = _training_target(config)
     trainer = DSparkTrainer(config, target)
     drafter = trainer.train(resume=args.resume, stop_after=args.stop_after)
