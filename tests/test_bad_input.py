@@ -126,6 +126,7 @@ def cases(root, dead_port):
         "profile --device nonsense": (["profile", "--device", "gpu7"], "--device 'gpu7' is not a device name"),
         "profile --target missing": (["profile", "--target", "/no/such/target"], "no such folder"),
         "serve --port 99999": (["serve", "--port", "99999"], "--port must be in 0..65535, got 99999"),
+        "serve --api-key empty": (["serve", "--api-key", " ", "--port", "0"], "--api-key is empty"),
         "serve --max-batch-size 0": (["serve", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
         "serve --drafter missing": (["serve", "--drafter", "/no/such/drafter", "--port", "0"], "does not exist"),
         "calibrate --data missing": (["calibrate", "--data", "/no/such.npz"], "--data /no/such.npz: no such file"),

@@ -260,10 +260,12 @@ def _check_address(host: str, port: int) -> None:
 
 def cmd_serve(args) -> int:
     from .engine import Engine
-    from .serving import DSparkServer
+    from .serving import DSparkServer, api_key_from_env
 
     _at_least(args, 1, "max_batch_size", "num_assistant_tokens")
     _check_address(args.host, args.port)
+    api_key = args.api_key if args.api_key is not None else api_key_from_env()
+    _require(api_key is None or bool(api_key.strip()), "--api-key is empty; give a key or leave the option out.")
     _check_model_path(args.target, "--target")
     _check_model_path(args.drafter, "--drafter", drafter=True)
     target, tokenizer, drafter = _load(args)
@@ -276,7 +278,9 @@ def cmd_serve(args) -> int:
         num_assistant_tokens=args.num_assistant_tokens,
         gate_drafts=False if args.no_draft_gate else None,
     )
-    server = DSparkServer(engine, tokenizer, host=args.host, port=args.port, model_name=_model_name(args))
+    server = DSparkServer(
+        engine, tokenizer, host=args.host, port=args.port, model_name=_model_name(args), api_key=api_key
+    )
     mode = "plain decoding" if args.plain else f"DSpark ({args.verify_policy or drafter.config.verify_policy})"
     untrained = " with an UNTRAINED drafter" if not args.plain and getattr(drafter, "is_untrained", False) else ""
     print(f"serving {server.limits.model_name} ({mode}{untrained}) at {server.url}/v1  (Ctrl-C stops)", flush=True)
@@ -682,6 +686,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="under verify_policy scheduler, draft every round (the gate skips drafts not expected to pay)",
     )
     serve.add_argument("--plain", action="store_true", help="plain decoding, no drafter (a baseline)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every endpoint (default: the DSPARK_API_KEY environment "
+        "variable; none: no authentication, fine on 127.0.0.1 only)",
+    )
     add_models(serve)
     serve.set_defaults(func=cmd_serve)
 
