@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -184,9 +185,11 @@ class DSparkTrainingConfig:
 
 def _checked(name: str, value: Any, annotation: Any) -> Any:
     """`value` if it has the field's type (an int is a valid float; a numeric string such as YAML's `6e-4` becomes a
-    float), else a ValueError naming the option, e.g. `max_steps=abc`."""
+    float; a path becomes a string), else a ValueError naming the option, e.g. `max_steps=abc`."""
     allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     for kind in allowed:
+        if kind is str and isinstance(value, os.PathLike):
+            return os.fspath(value)
         if kind is type(None) and value is None:
             return value
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
