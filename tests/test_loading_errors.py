@@ -191,3 +191,37 @@ def test_layer_ids_out_of_range_for_the_target(target, layer_ids):
         make_drafter(target, target_layer_ids=layer_ids)
     with pytest.raises(ValueError, match=rf"contains \[{bad[0]}\]"):
         DSparkConfig.for_target(target.config, target_layer_ids=layer_ids)
+
+
+# -- missing folders and unreadable configs (issue 27) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/no/such/folder", "./no_such_folder", "a/b/c"])
+def test_a_missing_folder_is_named(path):
+    with pytest.raises(FileNotFoundError, match="No DSpark checkpoint \\(config.json\\) at .*does not exist"):
+        DSparkDraftModel.from_pretrained(path)
+
+
+def test_a_folder_without_config_json_is_named(saved, tmp_path):
+    path = copy_of(saved, tmp_path, "no_config")
+    (path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=f"No DSpark checkpoint \\(config.json\\) at {path}"):
+        DSparkDraftModel.from_pretrained(path)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("{not json", "is not valid JSON"), ("[]", "holds a JSON list")])
+def test_a_garbage_config_json_is_named(saved, tmp_path, text, expected):
+    path = copy_of(saved, tmp_path, "garbage")
+    (path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=expected) as err:
+        DSparkDraftModel.from_pretrained(path)
+    assert str(path / "config.json") in str(err.value)
+
+
+def test_dflash_mode_needs_no_confidence_flag(target):
+    """sequential_head="none" (DFlash) infers confidence_with_markov=False; asking for both stays an error."""
+    config = DSparkConfig.for_target(target.config, sequential_head="none")
+    assert config.confidence_head and not config.confidence_with_markov
+    assert DSparkConfig.for_target(target.config).confidence_with_markov
+    with pytest.raises(ValueError, match="confidence_with_markov"):
+        DSparkConfig.for_target(target.config, sequential_head="none", confidence_with_markov=True)

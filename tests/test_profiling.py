@@ -268,6 +268,7 @@ def test_cli_profile_rejects_bad_lengths(text):
         parse_lengths(text)
 
 
-def test_cli_profile_bad_lengths_exit_before_loading_a_target(tmp_path):
-    with pytest.raises(SystemExit, match="--lengths"):
-        main(["profile", "--target", str(tmp_path / "missing"), "--lengths", "4-x", "--out", str(tmp_path / "p.json")])
+def test_cli_profile_bad_lengths_exit_before_loading_a_target(tmp_path, capsys):
+    argv = ["profile", "--target", str(tmp_path / "missing"), "--lengths", "4-x", "--out", str(tmp_path / "p.json")]
+    assert main(argv) == 2
+    assert "--lengths" in capsys.readouterr().err

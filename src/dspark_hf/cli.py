@@ -1,6 +1,12 @@
-"""`dspark-hf` command line: `demo`, `bench`, `data`, `features`, `train`, `export` and more."""
+"""`dspark-hf` command line: `demo`, `bench`, `data`, `features`, `train`, `export` and more.
+
+User errors (bad arguments, missing or malformed files, an unreachable server) end as one line on stderr and exit
+status 2, without a traceback; `--debug` or `DSPARK_DEBUG=1` shows it. Arguments and input files are checked before
+any model loads.
+"""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +14,44 @@ import torch
 
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+# What a user's mistake raises (bad values, missing or unreadable files, refused connections, a missing package)
+USER_ERRORS = (ValueError, OSError, ImportError)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _at_least(args, minimum: int, *options: str) -> None:
+    """Each `--option` (attribute names with underscores) that is set must be >= `minimum`."""
+    for name in options:
+        value = getattr(args, name, None)
+        if value is not None:
+            _require(value >= minimum, f"--{name.replace('_', '-')} must be >= {minimum}, got {value}.")
+
+
+def _check_model_path(path, option: str, drafter: bool = False) -> None:
+    """A local model folder must exist (a drafter's must hold config.json); a name that could be a Hub repo id and
+    is not on disk is left to the Hub."""
+    if path is None:
+        return
+    from .loading import check_local_folder, looks_like_hub_id
+
+    if drafter:
+        try:
+            check_local_folder(path)
+        except (OSError, ValueError) as err:
+            raise type(err)(f"{option}: {err}") from None
+    elif not Path(path).expanduser().exists() and not looks_like_hub_id(path):
+        raise FileNotFoundError(f"{option} {path}: no such folder.")
+    elif Path(path).expanduser().is_file():
+        raise ValueError(f"{option} {path} is a file; give the model's folder (config.json and weights).")
+
+
+def _check_file(path, option: str) -> None:
+    if path is not None and not Path(path).expanduser().is_file():
+        raise FileNotFoundError(f"{option} {path}: no such file.")
 
 
 def _drafter_dtype(args) -> torch.dtype | None:
@@ -28,7 +72,7 @@ def _load(args):
     from .packed_linear import inference_dtype
 
     if args.drafter is None:
-        raise SystemExit("--target needs --drafter (a DSpark checkpoint made for that target).")
+        raise ValueError("--target needs --drafter (a DSpark checkpoint made for that target).")
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     drafter = DSparkDraftModel.from_pretrained(args.drafter, dtype=_drafter_dtype(args) or inference_dtype()).eval()
@@ -38,8 +82,9 @@ def _load(args):
 def cmd_demo(args) -> int:
     from .bench import encode, run_bench, timed_generate
 
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}.")
+    _at_least(args, 1, "repeats", "max_new_tokens")
+    _check_model_path(args.target, "--target")
+    _check_model_path(args.drafter, "--drafter", drafter=True)
     target, tokenizer, drafter = _load(args)
     record = {"messages": [{"role": "user", "content": args.prompt}]}
     out, _ = timed_generate(target, encode(tokenizer, record), args.max_new_tokens, drafter)
@@ -94,10 +139,47 @@ def _load_drafters(args):
     return target, tokenizer, {label: load_assistant(path, dtype) for label, path in specs.items()}
 
 
+def _check_bench_args(args) -> None:
+    """Everything `bench` can check before a model loads: numbers, model paths and drafter labels."""
+    from .evaluation import parse_drafters
+
+    _at_least(args, 1, "limit", "max_new_tokens", "latency_new_tokens", "requests_per_client")
+    _check_model_path(args.target, "--target")
+    for path in parse_drafters(args.drafter or []).values():
+        _check_model_path(path, "--drafter", drafter=True)
+
+
+def _check_server(url: str) -> None:
+    """`bench --serve --url`: the server must answer before the benchmark starts."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    _require(
+        parts.scheme == "http" and bool(parts.hostname),
+        f"--url {url!r} must look like http://HOST:PORT (the server's address, without /v1).",
+    )
+    try:
+        port = parts.port
+    except ValueError as err:
+        raise ValueError(f"--url {url!r}: {err}.") from None
+    conn = http.client.HTTPConnection(parts.hostname, port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+    except (OSError, http.client.HTTPException) as err:
+        raise ConnectionError(
+            f"No server answers at {url} ({err}); start one with `dspark-hf serve` or check --url."
+        ) from None
+    finally:
+        conn.close()
+
+
 def cmd_bench(args) -> int:
+    _check_bench_args(args)
     if args.serve:
         if len(args.prompts or []) > 1 or len(args.drafter or []) > 1:
-            raise SystemExit("bench --serve takes at most one --prompts file and one --drafter.")
+            raise ValueError("bench --serve takes at most one --prompts file and one --drafter.")
         args.prompts = args.prompts[0] if args.prompts else None
         args.drafter = args.drafter[0] if args.drafter else None
         return cmd_load_bench(args)
@@ -106,14 +188,19 @@ def cmd_bench(args) -> int:
     from .evaluation import format_evaluation, parse_datasets, run_evaluation
     from .utils import atomic_write_json
 
+    files = parse_datasets(args.prompts, args.datasets)
     try:
-        files = parse_datasets(args.prompts, args.datasets)
         temperatures = [float(t) for t in args.temperature.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--temperature {args.temperature!r} must be comma-separated numbers, e.g. 0,1.") from None
+    _require(all(t >= 0 for t in temperatures), f"--temperature {args.temperature!r}: temperatures must be >= 0.")
+    try:
         lengths = _int_list(args.latency_lengths)
-    except ValueError as err:
-        raise SystemExit(f"dspark-hf bench: {err}") from err
+    except ValueError:
+        raise ValueError(f"--latency-lengths {args.latency_lengths!r} must look like 1-16,24.") from None
+    _require(all(n >= 1 for n in lengths), f"--latency-lengths {args.latency_lengths!r}: lengths must be >= 1.")
     if not files:
-        raise SystemExit(
+        raise ValueError(
             "dspark-hf bench needs prompts: --prompts FILE.jsonl (repeatable) or --datasets name=FILE.jsonl,... "
             "(see docs/evaluation.md), or --serve for the load benchmark."
         )
@@ -157,10 +244,30 @@ def _model_name(args) -> str:
     return args.model_name or (args.target.rstrip("/").split("/")[-1] if args.target else "SmolLM2-135M-Instruct")
 
 
+def _check_address(host: str, port: int) -> None:
+    """`serve`: a port in range that this host can bind, checked before the model loads."""
+    import socket
+
+    _require(0 <= port <= 65535, f"--port must be in 0..65535, got {port}.")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as err:
+        raise OSError(f"Cannot serve on {host}:{port} ({err}); choose another --host or --port.") from None
+
+
 def cmd_serve(args) -> int:
     from .engine import Engine
-    from .serving import DSparkServer
+    from .serving import DSparkServer, api_key_from_env
 
+    _at_least(args, 1, "max_batch_size", "num_assistant_tokens")
+    _check_address(args.host, args.port)
+    api_key = args.api_key if args.api_key is not None else api_key_from_env()
+    _require(api_key is None or bool(api_key.strip()), "--api-key is empty; give a key or leave the option out.")
+    _check_model_path(args.target, "--target")
+    _check_model_path(args.drafter, "--drafter", drafter=True)
     target, tokenizer, drafter = _load(args)
     engine = Engine(
         target,
@@ -171,7 +278,9 @@ def cmd_serve(args) -> int:
         num_assistant_tokens=args.num_assistant_tokens,
         gate_drafts=False if args.no_draft_gate else None,
     )
-    server = DSparkServer(engine, tokenizer, host=args.host, port=args.port, model_name=_model_name(args))
+    server = DSparkServer(
+        engine, tokenizer, host=args.host, port=args.port, model_name=_model_name(args), api_key=api_key
+    )
     mode = "plain decoding" if args.plain else f"DSpark ({args.verify_policy or drafter.config.verify_policy})"
     untrained = " with an UNTRAINED drafter" if not args.plain and getattr(drafter, "is_untrained", False) else ""
     print(f"serving {server.limits.model_name} ({mode}{untrained}) at {server.url}/v1  (Ctrl-C stops)", flush=True)
@@ -184,8 +293,15 @@ def cmd_load_bench(args) -> int:
     from .load_bench import format_load_summary, run_curve, run_load_benchmark, write_load_result
 
     records = read_prompts(args.prompts)[: args.limit] if args.prompts else None
-    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency {args.concurrency!r} must be comma-separated client counts.") from None
+    _require(
+        bool(concurrencies) and min(concurrencies) >= 1, f"--concurrency {args.concurrency!r}: counts must be >= 1."
+    )
     if args.url:
+        _check_server(args.url)
         from .load_bench import BUILTIN_PROMPTS
 
         curve = run_curve(
@@ -236,11 +352,30 @@ def _training_target(config):
     return AutoModelForCausalLM.from_pretrained(config.target, dtype=torch.float32)
 
 
+def _check_training_paths(config) -> None:
+    """The files and folders a training config names must exist before the target loads."""
+    _check_model_path(config.target, "target")
+    _check_model_path(config.init_drafter, "init_drafter", drafter=True)
+    _check_file(config.drafter_config, "drafter_config")
+    for key in ("data", "heldout"):
+        for path in [p.strip() for p in (getattr(config, key) or "").split(",") if p.strip()]:
+            _check_file(path, key)
+    if config.features is not None and not Path(config.features).is_dir():
+        raise FileNotFoundError(
+            f"features {config.features}: no such feature cache; build it with `dspark-hf features`."
+        )
+
+
 def cmd_train(args) -> int:
     from .training.config import DSparkTrainingConfig
-    from .training.trainer import DSparkTrainer
+    from .training.trainer import DSparkTrainer, check_resume
 
+    _at_least(args, 1, "stop_after")
     config = DSparkTrainingConfig.from_file(args.config, args.set)
+    _require(bool(config.data), "train needs a token dataset: --set data=FILE.npz (from `dspark-hf data`).")
+    _check_training_paths(config)
+    if args.resume:
+        check_resume(config)  # a refused change or damaged checkpoints fail before the target loads
     target = _training_target(config)
     trainer = DSparkTrainer(config, target)
     drafter = trainer.train(resume=args.resume, stop_after=args.stop_after)
@@ -254,10 +389,14 @@ def cmd_features(args) -> int:
     from .training.features import build_features, estimate_features
     from .training.trainer import build_drafter
 
+    _at_least(args, 1, "batch_size", "shard_tokens", "sample_batches")
     config = DSparkTrainingConfig.from_file(args.config, args.set)
     data, out = args.data or config.data, args.out or config.features
     if not data or not out:
-        raise SystemExit("features needs a dataset (--data or `data` in the config) and --out (or `features`).")
+        raise ValueError("features needs a dataset (--data or `data` in the config) and --out (or `features`).")
+    for path in [p.strip() for p in data.split(",") if p.strip()]:
+        _check_file(path, "--data")
+    _check_model_path(config.target, "target")
     target = _training_target(config).eval()
     layer_ids = build_drafter(config, target).config.target_layer_ids  # the layers training will read
     dataset = TokenDataset.load(data)
@@ -277,6 +416,14 @@ def cmd_data(args) -> int:
 
     from .training.generate_data import DataConfig, build_dataset, finalize_dataset
 
+    _at_least(args, 1, "num_prompts", "max_new_tokens", "batch_size", "chunk_size")
+    _at_least(args, 0, "teacher_forced_tokens", "max_chunks")
+    _require(0 <= args.heldout_fraction < 1, f"--heldout-fraction must lie in [0, 1), got {args.heldout_fraction}.")
+    if args.device is not None:
+        _check_device(args.device)
+    for path in args.exclude_eval:
+        _check_file(path, "--exclude-eval")
+    _check_model_path(args.target, "--target")
     log = pylogging.getLogger("dspark_hf")
     if not log.handlers:
         log.addHandler(pylogging.StreamHandler())
@@ -324,6 +471,11 @@ def cmd_export(args) -> int:
     from .conversion import export_deepspec
     from .modeling_dspark import DSparkDraftModel
 
+    _check_model_path(args.drafter, "--drafter", drafter=True)
+    _check_model_path(args.target, "--target")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise FileExistsError(f"--out {out} exists and is not an empty folder; pass --overwrite to replace it.")
     if args.target is None:
         from .default import load_default_target
 
@@ -346,6 +498,10 @@ def cmd_calibrate(args) -> int:
     from .utils import atomic_write_json
 
     args.drafter = args.drafter or str(Path(__file__).parent / "default_drafter")
+    _at_least(args, 1, "seq_len", "batches", "anchors")
+    _check_file(args.data, "--data")
+    _check_model_path(args.target, "--target")
+    _check_model_path(args.drafter, "--drafter", drafter=True)
     target, _, drafter = _load(args)
     logits, labels = collect_confidence(
         drafter,
@@ -395,13 +551,31 @@ def parse_lengths(text: str) -> list[int]:
     return sorted(set(lengths))
 
 
+def _check_device(name: str | None) -> str:
+    """--device as given (default: cuda when available, else cpu); one this machine does not have is an error."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device name (cpu, cuda, cuda:1, mps, ...).") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        _require(count > 0, f"--device {name}: this machine has no CUDA device (torch sees none); use --device cpu.")
+        _require(device.index is None or device.index < count, f"--device {name}: only {count} CUDA device(s).")
+    if device.type == "mps":
+        _require(torch.backends.mps.is_available(), f"--device {name}: MPS is not available here; use --device cpu.")
+    return name
+
+
 def cmd_profile(args) -> int:
     from .profiling import plot_profile, profile_target, save_profile
 
-    try:  # before the target loads: a typo fails at once
-        lengths = parse_lengths(args.lengths) if args.lengths else range(1, args.max_tokens + 1)
-    except ValueError as err:
-        raise SystemExit(f"dspark-hf profile: {err}") from err
+    # before the target loads: a typo fails at once
+    _at_least(args, 1, "max_tokens", "context_len", "repeats")
+    lengths = parse_lengths(args.lengths) if args.lengths else range(1, args.max_tokens + 1)
+    device = _check_device(args.device)
+    _check_model_path(args.target, "--target")
     dtype = getattr(torch, args.dtype)
     if args.target is None:
         from .default import load_default_target
@@ -411,7 +585,6 @@ def cmd_profile(args) -> int:
         from transformers import AutoModelForCausalLM
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target.to(device)
     profile = profile_target(target, lengths=lengths, context_len=args.context_len, repeats=args.repeats)
     save_profile(profile, args.out)
@@ -434,8 +607,16 @@ def cmd_profile(args) -> int:
     return 0
 
 
+DEBUG_HELP = "on an error, show the traceback instead of one line (also: DSPARK_DEBUG=1)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative decoding for transformers.")
+    parser = argparse.ArgumentParser(
+        prog="dspark-hf",
+        description="DSpark speculative decoding for transformers.",
+        epilog="Errors are one line; --debug (or DSPARK_DEBUG=1) shows the traceback.",
+    )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_models(p, many_drafters=False):
@@ -505,6 +686,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="under verify_policy scheduler, draft every round (the gate skips drafts not expected to pay)",
     )
     serve.add_argument("--plain", action="store_true", help="plain decoding, no drafter (a baseline)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every endpoint (default: the DSPARK_API_KEY environment "
+        "variable; none: no authentication, fine on 127.0.0.1 only)",
+    )
     add_models(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -585,12 +772,31 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     export.set_defaults(func=cmd_export)
+    for command in sub.choices.values():  # `dspark-hf bench ... --debug` as well as `dspark-hf --debug bench ...`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 
+def _debug(args) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("DSPARK_DEBUG", "").strip() not in ("", "0")
+
+
 def main(argv=None) -> int:
+    """Run one command; a user error prints one line on stderr and returns 2 (`--debug` / DSPARK_DEBUG=1: raise)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if _debug(args):
+            raise
+        print(f"dspark-hf {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as err:
+        if _debug(args):
+            raise
+        message = str(err) or type(err).__name__
+    print(f"dspark-hf {args.command}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -398,6 +398,14 @@ class DSparkConfig(DrafterConfig):
             )
 
     @classmethod
+    def for_target(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DSparkConfig":
+        """`DrafterConfig.for_target`; with `sequential_head="none"` (the DFlash mode) the confidence head reads h_k
+        alone, so `confidence_with_markov` defaults to False there."""
+        if overrides.get("sequential_head") == "none":
+            overrides.setdefault("confidence_with_markov", False)
+        return super().for_target(target_config, **overrides)
+
+    @classmethod
     def target_defaults(cls, text_config: PreTrainedConfig) -> dict[str, Any]:
         """The family's mask token, when the vocabulary has it (tiny test models of the family may not)."""
         mask_id = _KNOWN_MASK_TOKENS.get(text_config.model_type)

@@ -58,7 +58,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
 from .configuration_dspark import DSparkConfig
-from .loading import check_checkpoint_files
+from .loading import check_checkpoint_files, read_config_file
 from .modeling_dspark import DSparkDraftModel
 
 
@@ -224,10 +224,10 @@ def convert_deepspec_state_dict(state_dict: dict[str, torch.Tensor]):
 
 
 def _read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
+    """`folder/config.json` as a dict; a missing, non-JSON or non-object file is an error naming it."""
+    if not (folder / "config.json").is_file():
         raise OSError(f"No config.json in {folder}; it is not a DeepSpec checkpoint folder.")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_config_file(folder / "config.json")
 
 
 def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:

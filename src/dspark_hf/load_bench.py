@@ -68,10 +68,16 @@ def request_payload(record: dict, max_tokens: int) -> tuple[str, dict]:
 
 
 def timed_request(conn: http.client.HTTPConnection, record: dict, max_tokens: int) -> dict:
-    """Send one streaming request on `conn` (kept alive) and time its tokens."""
+    """Send one streaming request on `conn` (kept alive) and time its tokens; with the API key of a server started
+    with `--api-key` in `DSPARK_API_KEY`."""
+    from .serving import api_key_from_env
+
     path, body = request_payload(record, max_tokens)
+    headers = {"Content-Type": "application/json"}
+    if api_key_from_env() is not None:
+        headers["Authorization"] = f"Bearer {api_key_from_env()}"
     start = time.perf_counter()
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    conn.request("POST", path, body=json.dumps(body), headers=headers)
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"{path} answered {resp.status}: {resp.read().decode(errors='replace')}")

@@ -1,6 +1,8 @@
 """Checkpoint checks: safetensors only, no corrupt files, no silently random weights."""
 
+import json
 import os
+import re
 
 from safetensors import SafetensorError, safe_open
 
@@ -8,9 +10,52 @@ from safetensors import SafetensorError, safe_open
 _PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "tf_model.h5")
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def looks_like_hub_id(path) -> bool:
+    """Whether `path` could name a Hub repository ("name" or "owner/name"): no absolute or relative-path marks."""
+    text = str(path)
+    return bool(_HUB_ID.match(text)) and ".." not in text and not text.endswith((".json", ".safetensors"))
+
+
+def check_local_folder(path, subfolder: str = "") -> None:
+    """A checkpoint path that is meant as a local folder must be one holding a readable `config.json` (a JSON
+    object): FileNotFoundError / ValueError saying which, rather than the Hub's "Repo id must be in the form ..."
+    or a bare JSONDecodeError. A path that could be a Hub repo id and is not on disk is left to the Hub."""
+    base = os.path.expanduser(str(path))
+    if not os.path.exists(base) and looks_like_hub_id(path):
+        return
+    folder = os.path.join(base, subfolder) if subfolder else base
+    if not os.path.exists(folder):
+        raise FileNotFoundError(f"No DSpark checkpoint (config.json) at {folder}: the folder does not exist.")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder} is a file; a checkpoint is a folder holding config.json and model.safetensors.")
+    read_config_file(os.path.join(folder, "config.json"))
+
+
+def read_config_file(config_path) -> dict:
+    """A checkpoint's `config.json` as a dict, or an error naming the file (missing, not JSON, not an object)."""
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"No DSpark checkpoint (config.json) at {os.path.dirname(str(config_path))}.")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err}); the checkpoint's config is corrupt.") from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{config_path} holds a JSON {type(config).__name__}, not a model config (a JSON object of fields)."
+        )
+    return config
+
+
 def check_checkpoint_files(path, kwargs: dict) -> None:
-    """For a local checkpoint folder: refuse pickle-only weights, missing weights and corrupt safetensors files."""
-    folder = os.path.join(str(path), kwargs.get("subfolder") or "")
+    """For a local checkpoint folder: refuse a missing folder or config.json, a corrupt config.json, pickle-only
+    weights, missing weights and corrupt safetensors files."""
+    subfolder = kwargs.get("subfolder") or ""
+    check_local_folder(path, subfolder)
+    folder = os.path.join(os.path.expanduser(str(path)), subfolder)
     if not os.path.isdir(folder):
         return  # a Hub repo id: `use_safetensors=True` makes transformers refuse non-safetensors repos
     names = os.listdir(folder)

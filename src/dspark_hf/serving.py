@@ -8,10 +8,19 @@ Server-Sent-Events streaming), `/v1/models` and `/health`, on the standard libra
 Each HTTP connection gets a thread; the engine batches all live requests in its own background loop. Tokens are
 detokenised incrementally (a multi-byte character split across tokens is held back until complete) and `stop`
 sequences are cut on the text, so a stream never shows a partial stop sequence. Bad requests get a 4xx with
-OpenAI's `{"error": {...}}` body naming the field; a client that disconnects mid-stream has its request aborted.
+OpenAI's `{"error": {...}}` body naming the field; a client that disconnects, mid-stream or while waiting for a
+non-streamed reply, has its request aborted (its engine slot freed within `DISCONNECT_POLL_S` seconds).
+
+With `api_key`, every endpoint requires `Authorization: Bearer <key>` (compared in constant time; 401 otherwise).
+Bound to an address other than loopback without a key, the server warns that anyone who reaches it can use it.
 """
 
+import hmac
+import ipaddress
 import json
+import os
+import select
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +35,8 @@ from .openai_protocol import ProtocolError, ServingLimits
 logger = logging.get_logger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still connected
+API_KEY_ENV = "DSPARK_API_KEY"
 _DISCONNECTED = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 _PARSERS = {"/v1/completions": protocol.parse_completion, "/v1/chat/completions": protocol.parse_chat}
 
@@ -163,7 +174,33 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_error(self, err: ProtocolError, close: bool = False) -> None:
         self._send_json(err.status, err.to_dict(), close=close)
 
+    def _authorized(self) -> bool:
+        """With an API key: whether the request carries `Authorization: Bearer <key>`; a 401 is sent if not."""
+        key = self.app.api_key
+        if key is None:
+            return True
+        scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
+            return True
+        err = ProtocolError(
+            "Missing or wrong API key: send the header `Authorization: Bearer <key>` (the server's --api-key).",
+            status=401,
+            code="invalid_api_key",
+        )
+        data = json.dumps(err.to_dict()).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("WWW-Authenticate", "Bearer")
+        self.send_header("Connection", "close")  # an unread request body would garble the next request
+        self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
+        return False
+
     def do_GET(self):
+        if not self._authorized():
+            return
         path = urlsplit(self.path).path.rstrip("/")
         if path == "/health":
             self._send_json(200, {"status": "ok"})
@@ -185,6 +222,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(int(length))
 
     def do_POST(self):
+        if not self._authorized():
+            return
         try:
             raw = self._read_body()
         except ProtocolError as err:  # the unread body would garble the next request: close the connection
@@ -210,12 +249,44 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._respond(parsed, completion)
 
+    def _client_gone(self) -> bool:
+        """Whether the client closed or reset its connection (a readable socket with nothing to read). Bytes of a
+        pipelined next request are left in place (peeked, not read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):  # reset, or the socket is already closed
+            return True
+
+    def _watch_client(self, completion: _Completion, done: threading.Event, gone: threading.Event) -> None:
+        """Abort `completion` (and set `gone`) when its client goes away before the reply is ready (non-streamed
+        requests: nothing is written until then, so no failed write can tell)."""
+        while not done.wait(DISCONNECT_POLL_S):
+            if completion.request.finished:
+                return
+            if self._client_gone():
+                gone.set()
+                logger.info(f"Client disconnected; aborted {completion.request.request_id}")
+                self.app.engine.abort(completion.request.request_id)
+                return
+
     def _respond(self, parsed, completion: _Completion) -> None:
+        done, gone = threading.Event(), threading.Event()
+        watcher = threading.Thread(target=self._watch_client, args=(completion, done, gone), daemon=True)
+        watcher.start()
         try:
             text = "".join(completion.deltas())
         except Exception as err:
             logger.error("Generation failed", exc_info=True)
             return self._send_error(ProtocolError(f"Generation failed: {err}", status=500))
+        finally:
+            done.set()
+            watcher.join()
+        if gone.is_set():  # nobody to answer
+            self.close_connection = True
+            return
         body = protocol.full_response(
             parsed, text, completion.finish_reason, completion.usage(), completion.dspark_stats()
         )
@@ -287,7 +358,12 @@ class DSparkServer:
         model_name: str = "dspark-hf",
         max_model_len: int | None = None,
         vocab_size: int | None = None,
+        api_key: str | None = None,
     ):
+        if not 0 <= int(port) <= 65535:
+            raise ValueError(f"`port` must be in 0..65535, got {port}.")
+        if api_key is not None and not api_key.strip():
+            raise ValueError("`api_key` is empty; pass a non-empty key, or None for no authentication.")
         config = getattr(getattr(engine, "target", None), "config", None)
         max_model_len = max_model_len or getattr(config, "max_position_embeddings", None)
         vocab_size = vocab_size or getattr(config, "vocab_size", None) or len(tokenizer)
@@ -297,10 +373,16 @@ class DSparkServer:
         self.tokenizer_lock = threading.Lock()
         self.limits = ServingLimits(model_name, int(max_model_len), int(vocab_size))
         self.created = int(time.time())
+        self.api_key = api_key
         self.httpd = _HTTPServer((host, port), _Handler)
         self.httpd.app = self
         self.host, self.port = self.httpd.server_address[:2]
         self._thread = None
+        if api_key is None and not is_loopback(host):
+            logger.warning(
+                f"Serving on {host}, which is not a loopback address, WITHOUT an API key: anyone who can reach "
+                f"port {self.port} can use the model. Set --api-key (or {API_KEY_ENV}), or bind to 127.0.0.1."
+            )
 
     @property
     def url(self) -> str:
@@ -340,4 +422,24 @@ class DSparkServer:
         self.shutdown()
 
 
-__all__ = ["DSparkServer", "IncrementalDetokenizer", "TextStream"]
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) reaches only this machine; unresolvable names count as not."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not host:
+        return False  # "" binds every interface
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def api_key_from_env() -> str | None:
+    """The API key in the `DSPARK_API_KEY` environment variable, if set and not empty."""
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+__all__ = ["DSparkServer", "IncrementalDetokenizer", "TextStream", "api_key_from_env", "is_loopback"]

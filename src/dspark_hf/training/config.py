@@ -2,6 +2,9 @@
 
 import dataclasses
 import json
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +106,8 @@ class DSparkTrainingConfig:
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked(f.name, getattr(self, f.name), f.type))
         names = (
             "block_size",
             "batch_size",
@@ -142,13 +147,25 @@ class DSparkTrainingConfig:
         """
         values: dict[str, Any] = {}
         if path is not None:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"Training config {path}: no such file.")
             text = Path(path).read_text(encoding="utf-8")
             if str(path).endswith((".yaml", ".yml")):
                 import yaml
 
-                values = yaml.safe_load(text) or {}
+                try:
+                    values = yaml.safe_load(text) or {}
+                except yaml.YAMLError as err:
+                    raise ValueError(f"Training config {path} is not valid YAML: {err}") from None
             else:
-                values = json.loads(text)
+                try:
+                    values = json.loads(text)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"Training config {path} is not valid JSON ({err}).") from None
+            if not isinstance(values, dict):
+                raise ValueError(
+                    f"Training config {path} must hold a mapping of options, not a {type(values).__name__}."
+                )
             if values.get("model_type") in DRAFTER_MODEL_TYPES or "target_layer_ids" in values:
                 # a drafter config (e.g. hub_configs/NAME.json): train that drafter with default settings
                 values = {"drafter_config": str(path)}
@@ -164,3 +181,25 @@ class DSparkTrainingConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _checked(name: str, value: Any, annotation: Any) -> Any:
+    """`value` if it has the field's type (an int is a valid float; a numeric string such as YAML's `6e-4` becomes a
+    float; a path becomes a string), else a ValueError naming the option, e.g. `max_steps=abc`."""
+    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    for kind in allowed:
+        if kind is str and isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if kind is type(None) and value is None:
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is float and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if kind in (int, str, bool) and isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+            return value
+    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
+    raise ValueError(f"`{name}` must be {names}, got {value!r} ({type(value).__name__}).")

@@ -9,6 +9,7 @@ have seen, because batch sampling is seeded by (seed, step, rank).
 """
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -33,6 +34,23 @@ from .step import freeze, special_token_ids, training_loss, vocab_shortlist
 
 logger = logging.get_logger(__name__)
 KEEP_CHECKPOINTS = 2
+MANIFEST = "manifest.json"  # sha256 of every other file of a checkpoint, written last
+# Settings a checkpoint's weights or optimiser state depend on: `--resume` refuses to change them.
+RESUME_FIXED_KEYS = (
+    "drafter_kind",
+    "drafter_config",
+    "init_drafter",
+    "target",
+    "num_hidden_layers",
+    "block_size",
+    "markov_rank",
+    "sequential_head",
+    "confidence_head",
+    "train_vocab_size",
+    "shortlist_draft_vocab",
+)
+# The learning-rate schedule and the optimiser's settings: `--resume` honours changes (the schedule is rebuilt).
+RESUME_SCHEDULE_KEYS = ("learning_rate", "max_steps", "warmup_ratio", "max_time", "weight_decay")
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -125,6 +143,138 @@ def init_from_target(drafter, target) -> None:
     drafter.fc.weight[:, -d:] = torch.eye(d, dtype=drafter.fc.weight.dtype)
 
 
+# -- checkpoint integrity and resume checks ---------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digest_of(sums: dict) -> str:
+    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Write `folder/manifest.json`: the sha256 of every other file in `folder`, atomically (temporary name, then
+    renamed), after everything else is written."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp"))
+    sums = {p.relative_to(folder).as_posix(): _sha256(p) for p in files}
+    manifest = {"sha256": sums, "self": _digest_of(sums)}  # "self": a damaged manifest is told from damaged files
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why the checkpoint in `folder` cannot be trusted (missing, no or unreadable manifest, a file missing or
+    changed since it was written), or None when every file matches its manifest checksum."""
+    if not folder.is_dir():
+        return f"{folder} does not exist"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        sums = manifest["sha256"]
+        if not isinstance(sums, dict) or manifest["self"] != _digest_of(sums):
+            raise TypeError
+    except FileNotFoundError:
+        return f"{folder / MANIFEST} is missing"
+    except (ValueError, TypeError, KeyError):
+        return f"{folder / MANIFEST} is corrupt"
+    for name, expected in sorted(sums.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if _sha256(path) != expected:
+            return f"{path} does not match its checksum (corrupt)"
+    return None
+
+
+def _checkpoints(output_dir: Path) -> list[Path]:
+    """`checkpoint-<step>` folders of `output_dir`, newest first."""
+    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]), reverse=True)
+
+
+def find_resume_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint `--resume` continues from: the one `latest` names when it is intact, else the newest intact one
+    (with a warning naming what was wrong). None when `output_dir` holds no checkpoint (a fresh start); ValueError
+    when there are checkpoints but none is intact. Checkpoints written before manifests existed (no checkpoint of the
+    run has one) are used unverified, with a warning."""
+    output_dir = Path(output_dir)
+    pointer = output_dir / "latest"
+    candidates = _checkpoints(output_dir)
+    named = None
+    if pointer.is_file():
+        try:
+            named = output_dir / pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            logger.warning(f"{pointer} is unreadable ({err}); looking for the newest intact checkpoint instead.")
+    if named is None and not candidates:
+        return None
+    if not any((c / MANIFEST).is_file() for c in candidates):  # a run from before checksums
+        folder = named if named is not None and named.is_dir() else (candidates[0] if candidates else None)
+        if folder is None:
+            raise ValueError(
+                f"{pointer} names {named.name}, which does not exist (deleted?), and {output_dir} holds no other "
+                "checkpoint. Restore it, or train from scratch: drop --resume or choose a new output_dir."
+            )
+        logger.warning(f"{folder} has no {MANIFEST} (written by an older version): resuming from it unverified.")
+        return folder
+    problems = []
+    for folder in ([named] if named is not None else []) + [c for c in candidates if c != named]:
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            if problems:
+                damaged = "; ".join(problems)
+                logger.warning(f"Not resuming from a damaged checkpoint: {damaged}. Resuming from {folder} instead.")
+            return folder
+        problems.append(problem)
+    raise ValueError(
+        f"No intact checkpoint to resume from in {output_dir}: {'; '.join(problems)}. Restore the files, or train "
+        "from scratch: drop --resume or choose a new output_dir."
+    )
+
+
+def read_trainer_state(folder: Path) -> dict:
+    """`folder/trainer_state.json`, or a ValueError naming the file when it is not a JSON object with a step."""
+    path = Path(folder) / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing: {folder} is not a complete training checkpoint.") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is corrupt ({err}); restore it or resume from another checkpoint.") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{path} is corrupt (no integer `step`); restore it or resume from another checkpoint.")
+    return state
+
+
+def check_resume(config: DSparkTrainingConfig) -> tuple[Path, dict] | None:
+    """Before anything loads: the checkpoint `--resume` would continue from and its trainer state, or None (nothing
+    to resume). Refuses (ValueError naming the keys) a config that changes a setting the checkpoint's weights depend
+    on (`RESUME_FIXED_KEYS`); schedule changes (`RESUME_SCHEDULE_KEYS`) are honoured by `DSparkTrainer.resume`."""
+    folder = find_resume_checkpoint(config.output_dir)
+    if folder is None:
+        return None
+    state = read_trainer_state(folder)
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        logger.warning(f"{folder / 'trainer_state.json'} records no training config; its settings are not checked.")
+        return folder, state
+    current = config.to_dict()
+    changed = [key for key in RESUME_FIXED_KEYS if key in saved and saved[key] != current[key]]
+    if changed:
+        diffs = ", ".join(f"{key} {saved[key]!r} -> {current[key]!r}" for key in changed)
+        raise ValueError(
+            f"Cannot resume {folder} with a changed {', '.join(changed)} ({diffs}): its weights were trained with the "
+            "old value. Set it back, or train from scratch (drop --resume or choose a new output_dir)."
+        )
+    return folder, state
+
+
 class DSparkTrainer:
     """Trains a DSpark drafter for `target` on a `TokenDataset`; see `DSparkTrainingConfig` for the knobs."""
 
@@ -139,11 +289,8 @@ class DSparkTrainer:
             self.features = FeatureCache.open(config.features, self.dataset, target, drafter.config.target_layer_ids)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         self.total_steps = config.max_steps  # the schedule's length; `max_time` fits it to the measured speed
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, max(1, int(config.warmup_ratio * self.total_steps)), self.total_steps)
-        )
         self.drafter, self.optimizer = self.accelerator.prepare(drafter.train(), optimizer)
-        self.scheduler = scheduler
+        self.scheduler = self._build_scheduler()
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.heldout = TokenDataset.load(config.heldout) if config.heldout else None
@@ -157,6 +304,19 @@ class DSparkTrainer:
         module = self.accelerator.unwrap_model(self.drafter)
         if config.shortlist_draft_vocab and hasattr(module, "set_draft_vocab"):
             module.set_draft_vocab(self.vocab_ids)  # inference only (None: all); saved with every checkpoint
+
+    def _build_scheduler(self, step: int = 0):
+        """Warm-up then cosine over `self.total_steps` from `learning_rate`, positioned at `step`: the learning rate is
+        a pure function of (step, learning_rate, warmup_ratio, total steps), so a resumed run rebuilds it."""
+        warmup_ratio = self.config.warmup_ratio
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer accelerate wraps
+        for group in optimizer.param_groups:
+            group["initial_lr"] = self.config.learning_rate
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: lr_factor(s, max(1, int(warmup_ratio * self.total_steps)), self.total_steps),
+            last_epoch=step - 1,
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -179,6 +339,7 @@ class DSparkTrainer:
                     }
                 )
             )
+            write_manifest(tmp)  # last: a checkpoint whose files all match it is complete and intact
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             pointer = self.output_dir / ".latest.tmp"
@@ -194,18 +355,38 @@ class DSparkTrainer:
             shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> bool:
-        """Load the newest complete checkpoint, if any. Returns whether one was found."""
-        pointer = self.output_dir / "latest"
-        if not pointer.is_file():
+        """Load the newest intact checkpoint (`find_resume_checkpoint`), if any; returns whether one was found.
+
+        A changed weight-shaping setting is refused (`check_resume`). Changed schedule settings are honoured: the
+        optimiser takes the new `learning_rate` and `weight_decay`, the schedule runs over the new `max_steps`, and the
+        learning rate is recomputed for the resumed step (logged)."""
+        found = check_resume(self.config)
+        if found is None:
+            logger.info(f"No checkpoint in {self.output_dir}: training from scratch.")
             return False
-        folder = self.output_dir / pointer.read_text().strip()
+        folder, state = found
         loaded = type(self.accelerator.unwrap_model(self.drafter)).from_pretrained(folder)
         self.accelerator.unwrap_model(self.drafter).load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-        state = json.loads((folder / "trainer_state.json").read_text())
         self.step, self.best_tau = state["step"], state.get("best_tau", 0.0)
-        self.total_steps = state.get("total_steps", self.config.max_steps)
+        saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+        current = self.config.to_dict()
+        changed = {k: (saved[k], current[k]) for k in RESUME_SCHEDULE_KEYS if k in saved and saved[k] != current[k]}
+        # unchanged: the saved schedule length (`max_time` may have fitted it); a new max_steps or budget: refit
+        refit = "max_steps" in changed or "max_time" in changed
+        self.total_steps = self.config.max_steps if refit else state.get("total_steps", self.config.max_steps)
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = self.config.weight_decay
+        self.scheduler = self._build_scheduler(self.step)
+        if changed:
+            diffs = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            logger.warning(
+                f"Resuming with a changed schedule ({diffs}): rebuilt over {self.total_steps} steps; the learning "
+                f"rate at step {self.step} is now {self.scheduler.get_last_lr()[0]:.3g}."
+            )
+        others = [k for k in current if k in saved and saved[k] != current[k] and k not in changed]
+        if others:
+            logger.warning(f"Resuming with changed {', '.join(others)}: the new values apply from step {self.step}.")
         logger.info(f"Resumed from {folder} at step {self.step}.")
         return True
 

@@ -1,0 +1,198 @@
+"""A careless user at the command line: every mistake is one line on stderr and exit status 2, caught before any
+model loads (the loaders are replaced by ones that fail the test), with the traceback behind --debug."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from dspark_hf.cli import main
+from dspark_hf.training.trainer import write_manifest
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Loading any model fails the test: every case here must be refused before that."""
+    import transformers
+
+    import dspark_hf.default
+    from dspark_hf.modeling_dspark import DSparkDraftModel
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was noticed")
+
+    for owner, name in [
+        (dspark_hf.default, "load_default_target"),
+        (dspark_hf.default, "load_default"),
+        (transformers.AutoModelForCausalLM, "from_pretrained"),
+        (transformers.AutoModel, "from_pretrained"),
+        (DSparkDraftModel, "from_pretrained"),
+    ]:
+        monkeypatch.setattr(owner, name, loaded)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Prompt files good and bad, a saved drafter, a dataset file and a dead port."""
+    root = tmp_path_factory.mktemp("inputs")
+    texts = {
+        "good": '{"prompt": "Hello"}\n{"prompt": "there"}\n',
+        "malformed": '{"prompt": "ok"}\n{"prompt": \n',
+        "no_field": '{"text": "no prompt field"}\n',
+        "empty": "\n\n",
+        "number": '{"prompt": 5}\n',
+        "bad_messages": '{"messages": [{"role": "user"}]}\n',
+    }
+    for name, text in texts.items():
+        (root / f"{name}.jsonl").write_text(text)
+    make_drafter(make_target()).save_pretrained(root / "drafter")
+    (root / "data.npz").write_bytes(b"")  # only its existence is checked before the target loads
+    (root / "bad.json").write_text("{block_size: 3")
+    (root / "list.json").write_text("[1, 2]")
+    (root / "unknown.json").write_text('{"blok_size": 3}')
+    with socket.socket() as s:  # a port nothing listens on (free a moment ago)
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    return root, dead_port
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def cases(root, dead_port):
+    good, drafter, data = root / "good.jsonl", root / "drafter", root / "data.npz"
+    train = ["train", "--set", f"data={data}", f"output_dir={root / 'run'}"]
+    return {
+        "bench malformed JSONL": (["bench", "--prompts", root / "malformed.jsonl"], "malformed.jsonl:2 is not valid"),
+        "bench missing field": (["bench", "--prompts", root / "no_field.jsonl"], 'needs a "prompt"'),
+        "bench empty file": (["bench", "--prompts", root / "empty.jsonl"], "holds no prompts"),
+        "bench prompt 5": (["bench", "--prompts", root / "number.jsonl"], '"prompt" must be a string'),
+        "bench bad messages": (["bench", "--prompts", root / "bad_messages.jsonl"], 'string "role"'),
+        "bench missing prompts file": (["bench", "--prompts", root / "nope.jsonl"], "no file at"),
+        "bench --drafter missing": (
+            ["bench", "--prompts", good, "--drafter", "/no/such/drafter"],
+            "--drafter: No DSpark checkpoint (config.json) at /no/such/drafter: the folder does not exist",
+        ),
+        "bench --target missing": (
+            ["bench", "--prompts", good, "--target", "/no/such/target", "--drafter", drafter],
+            "--target /no/such/target: no such folder",
+        ),
+        "bench --limit -1": (["bench", "--prompts", good, "--limit", "-1"], "--limit must be >= 1, got -1"),
+        "bench --temperature": (["bench", "--prompts", good, "--temperature", "0,hot"], "--temperature '0,hot'"),
+        "bench --serve dead url": (
+            ["bench", "--serve", "--url", f"http://127.0.0.1:{dead_port}"],
+            f"No server answers at http://127.0.0.1:{dead_port}",
+        ),
+        "bench --serve bad url": (["bench", "--serve", "--url", "localhost:8000"], "must look like http://HOST:PORT"),
+        "bench --serve --concurrency": (["bench", "--serve", "--concurrency", "0"], "counts must be >= 1"),
+        "export --drafter missing": (
+            ["export", "--drafter", "/no/such/drafter", "--out", root / "out"],
+            "No DSpark checkpoint (config.json) at /no/such/drafter",
+        ),
+        "export --target missing": (
+            ["export", "--drafter", drafter, "--target", "/no/such/target", "--out", root / "out"],
+            "--target /no/such/target: no such folder",
+        ),
+        "export --out not empty": (["export", "--drafter", drafter, "--out", drafter], "pass --overwrite"),
+        "demo --drafter missing": (["demo", "--drafter", "/no/such/drafter"], "the folder does not exist"),
+        "demo --target missing": (
+            ["demo", "--target", "/no/such/target", "--drafter", drafter],
+            "--target /no/such/target: no such folder",
+        ),
+        "demo --max-new-tokens -5": (["demo", "--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
+        "demo --repeats 0": (["demo", "--repeats", "0"], "--repeats must be >= 1"),
+        "train target missing": ([*train, "target=/no/such/target"], "target /no/such/target: no such folder"),
+        "train init_drafter missing": ([*train, "init_drafter=/no/such/d"], "init_drafter: No DSpark checkpoint"),
+        "train data missing": (["train", "--set", "data=/no/such.npz"], "data /no/such.npz: no such file"),
+        "train no data": (["train"], "train needs a token dataset"),
+        "train max_steps=abc": ([*train, "max_steps=abc"], "`max_steps` must be int, got 'abc' (str)"),
+        "train learning_rate=fast": ([*train, "learning_rate=fast"], "`learning_rate` must be float"),
+        "train unknown key": ([*train, "blok_size=3"], "Unknown training option(s) ['blok_size']"),
+        "train --config missing": (["train", "--config", root / "nope.json"], "nope.json: no such file"),
+        "train --config bad JSON": (["train", "--config", root / "bad.json"], "bad.json is not valid JSON"),
+        "train --config a list": (["train", "--config", root / "list.json"], "must hold a mapping of options"),
+        "train --config unknown key": (["train", "--config", root / "unknown.json"], "Unknown training option"),
+        "profile --context-len -5": (["profile", "--context-len", "-5"], "--context-len must be >= 1, got -5"),
+        "profile --lengths": (["profile", "--lengths", "0-3"], "token counts >= 1"),
+        "profile --device nonsense": (["profile", "--device", "gpu7"], "--device 'gpu7' is not a device name"),
+        "profile --target missing": (["profile", "--target", "/no/such/target"], "no such folder"),
+        "serve --port 99999": (["serve", "--port", "99999"], "--port must be in 0..65535, got 99999"),
+        "serve --api-key empty": (["serve", "--api-key", " ", "--port", "0"], "--api-key is empty"),
+        "serve --max-batch-size 0": (["serve", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+        "serve --drafter missing": (["serve", "--drafter", "/no/such/drafter", "--port", "0"], "does not exist"),
+        "calibrate --data missing": (["calibrate", "--data", "/no/such.npz"], "--data /no/such.npz: no such file"),
+    }
+
+
+CASES = sorted(cases(Path("/x"), 1))  # the case names
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_user_errors_are_one_line_and_status_2(case, files, no_models, capsys, monkeypatch):
+    monkeypatch.delenv("DSPARK_DEBUG", raising=False)
+    argv, expected = cases(*files)[case]
+    code, err = run(argv, capsys)
+    assert code == 2, err
+    assert err.endswith("\n") and err.count("\n") == 1, err  # one line
+    assert err.startswith(f"dspark-hf {argv[0]}: error: ") and "Traceback" not in err
+    assert expected in err, err
+
+
+def test_profile_on_cuda_without_cuda(no_models, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = run(["profile", "--device", "cuda"], capsys)
+    assert code == 2 and "this machine has no CUDA device" in err and "--device cpu" in err
+
+
+def test_serve_on_a_port_in_use(no_models, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code, err = run(["serve", "--port", busy.getsockname()[1]], capsys)
+    assert code == 2 and "Cannot serve on 127.0.0.1:" in err and "choose another --host or --port" in err
+
+
+def test_a_refused_resume_stops_before_the_target_loads(files, no_models, capsys, tmp_path):
+    """`train --resume` with a changed block_size: refused naming the key, with no model loaded."""
+    from dspark_hf.training.config import DSparkTrainingConfig
+
+    root, _ = files
+    run_dir = tmp_path / "run"
+    saved = DSparkTrainingConfig(data=str(root / "data.npz"), output_dir=str(run_dir), block_size=3)
+    checkpoint = run_dir / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 2, "config": saved.to_dict()}))
+    write_manifest(checkpoint)
+    (run_dir / "latest").write_text("checkpoint-2")
+    argv = ["train", "--resume", "--set", f"data={root / 'data.npz'}", f"output_dir={run_dir}", "block_size=5"]
+    code, err = run(argv, capsys)
+    assert code == 2 and "changed block_size (block_size 3 -> 5)" in err and err.count("\n") == 1
+
+
+def test_debug_shows_the_traceback(files, no_models, capsys, monkeypatch):
+    argv = ["bench", "--prompts", str(files[0] / "number.jsonl")]
+    with pytest.raises(ValueError, match='"prompt" must be a string'):
+        main(["--debug", *argv])
+    with pytest.raises(ValueError, match='"prompt" must be a string'):
+        main([*argv, "--debug"])
+    monkeypatch.setenv("DSPARK_DEBUG", "1")
+    with pytest.raises(ValueError, match='"prompt" must be a string'):
+        main(argv)
+
+
+def test_the_installed_command_prints_no_traceback(files):
+    """The real process: exit status 2 and a single line on stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "DSPARK_DEBUG"}
+    argv = [sys.executable, "-m", "dspark_hf.cli", "bench", "--prompts", str(files[0] / "good.jsonl"), "--limit", "-1"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "dspark-hf bench: error: --limit must be >= 1, got -1.\n"
