@@ -258,6 +258,44 @@ def test_for_target_builds_the_gemma4_layer_by_default():
         DSparkConfig.for_target(gemma4_target_config(), draft_layer="gemma3")
 
 
+def test_the_released_12b_config_maps_to_the_hub_config():
+    """DeepSeek's `dspark_gemma4_12b_block7` config.json (the target's text config, as recorded in
+    examples/make_hub_configs.py, plus DeepSpec's `config/dspark/dspark_gemma4_12b.py` fields) gives the drafter that
+    hub_configs/gemma-4-12b.json describes: the same layer layout and shapes (q 16 x 512, one K = V head)."""
+    from test_hub_configs import ROOT, _generator
+
+    released = dict(_generator().TARGETS["gemma-4-12b"]["config"]["text_config"])
+    released.update(
+        architectures=["Gemma4DSparkModel"],
+        target_model_type="gemma4_unified",
+        target_text_model_type="gemma4_unified_text",
+        num_target_layers=48,
+        num_hidden_layers=5,
+        layer_types=["full_attention"] * 5,
+        block_size=7,
+        target_layer_ids=[5, 17, 29, 41, 46],
+        mask_token_id=4,
+        num_anchors=512,
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+        markov_rank=256,
+        markov_head_type="vanilla",
+    )
+    loaded = dspark_config_from_deepspec(released)
+    hub = DSparkConfig.from_json_file(str(ROOT / "hub_configs" / "gemma-4-12b.json"))
+    fields = ("draft_layer", "attention_k_eq_v", "head_dim", "num_key_value_heads", "num_attention_heads")
+    fields += ("intermediate_size", "hidden_act", "rope_parameters", "final_logit_softcapping", "target_layer_ids")
+    fields += ("mask_token_id", "block_size", "num_hidden_layers", "markov_rank", "sequential_head", "hidden_size")
+    for field in fields:
+        assert getattr(loaded, field) == getattr(hub, field), field
+    assert (loaded.head_dim, loaded.num_key_value_heads, loaded.attention_k_eq_v) == (512, 1, True)
+    with torch.device("meta"):  # 1.3 B parameters: shapes only
+        ours = {k: tuple(v.shape) for k, v in DSparkDraftModel(hub).state_dict().items()}
+    theirs = gemma4_deepspec_shapes(released)
+    del theirs["embed_tokens.weight"], theirs["lm_head.weight"]
+    assert ours == theirs
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_weight_arrives(tmp_path, variant):
     folder, _, state_dict = gemma4_checkpoint(tmp_path, variant)
@@ -392,3 +430,36 @@ def test_export_refuses_gemma4_layouts_deepspec_cannot_represent(tmp_path):
     with pytest.raises(ValueError, match="Gemma4DSparkModel.*mask embedding"):
         export_deepspec(make_drafter(target, mask_token_id=None), target, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# -- training -----------------------------------------------------------------------------------------------------
+
+
+def test_dspark_hf_train_trains_the_gemma4_layout_and_it_exports(tmp_path):
+    """`dspark-hf train` on a Gemma-4 target builds the Gemma-4 layout (starting from the target's top layers), trains
+    every drafter weight, and the checkpoint exports to Gemma4DSparkModel and back bit-exact."""
+    from test_trainer import tiny_dataset
+
+    target = make_gemma4_target()
+    target.save_pretrained(tmp_path / "target")
+    tiny_dataset().save(tmp_path / "data.npz")
+    settings = ["num_hidden_layers=2", "block_size=3", "markov_rank=8", "seq_len=24", "batch_size=2"]
+    settings += ["num_anchors=4", "max_steps=3", "save_every=3", "learning_rate=1e-2"]
+    paths = [f"data={tmp_path / 'data.npz'}", f"target={tmp_path / 'target'}", f"output_dir={tmp_path / 'run'}"]
+    assert cli_main(["train", "--set", *paths, *settings]) == 0
+
+    folder = tmp_path / "run" / (tmp_path / "run" / "latest").read_text()
+    trained = DSparkDraftModel.from_pretrained(folder, target=target)
+    assert trained.config.draft_layer == "gemma4" and trained.config.attention_k_eq_v
+    assert all(isinstance(layer, DSparkGemma4DecoderLayer) for layer in trained.layers)
+    start = DSparkDraftModel(trained.config)  # the untrained start: the target's last two layers, fc passing through
+    from dspark_hf.training.trainer import init_from_target
+
+    init_from_target(start, target)
+    assert torch.equal(start.layers[1].self_attn.q_proj.weight, target.model.layers[-1].self_attn.q_proj.weight)
+    changed = {k for k, v in trained.named_parameters() if not torch.equal(v, start.state_dict()[k])}
+    assert changed == {k for k, _ in trained.named_parameters()}  # every trainable weight moved
+    assert torch.equal(trained.layers[1].layer_scalar, target.model.layers[-1].layer_scalar)  # a buffer: copied
+
+    out = export_deepspec(trained, target, tmp_path / "deepspec")
+    assert_same_weights(DSparkDraftModel.from_pretrained(out).state_dict(), trained.state_dict())
