@@ -463,3 +463,12 @@ def test_dspark_hf_train_trains_the_gemma4_layout_and_it_exports(tmp_path):
 
     out = export_deepspec(trained, target, tmp_path / "deepspec")
     assert_same_weights(DSparkDraftModel.from_pretrained(out).state_dict(), trained.state_dict())
+
+
+def test_model_card_names_the_layout():
+    from dspark_hf.hub import model_card
+
+    card = model_card(make_drafter(make_gemma4_target()).config)
+    assert "`Gemma4DSparkModel` layout, head 16, shared K = V" in card and "dspark_gemma4_12b_block7" in card
+    llama = DSparkConfig.for_target(gemma4_target_config(), num_hidden_layers=2, draft_layer="llama")
+    assert "Llama blocks with QK-norm (DeepSpec `Qwen3DSparkModel`" in model_card(llama)
