@@ -387,6 +387,25 @@ def test_generate_on_a_gemma4_target_is_lossless_and_matches_deepspec(tmp_path, 
     assert stats.num_new_tokens == 20
 
 
+@pytest.mark.parametrize("diverge_at", [None, 1, 3])
+def test_generate_on_a_gemma4_target_with_pinned_drafts(diverge_at):
+    """Whole blocks accepted (oracle) or exactly k per round: rejected drafts are cropped from the target's sliding
+    (window 4) and global layer caches alike, and the output stays plain greedy's."""
+    from helpers import pin_drafter
+
+    target = make_gemma4_target()
+    prompt = torch.tensor([[2, 17, 33, 5, 71, 9]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=21)
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), plain, diverge_at=diverge_at)
+    assisted = target.generate(prompt, do_sample=False, max_new_tokens=21, assistant_model=drafter)
+    assert torch.equal(assisted, plain)
+    stats = drafter.generation_stats
+    expected = drafter.config.block_size if diverge_at is None else diverge_at
+    rounds = zip(stats.verify_lengths, stats.accepted_lengths, stats.stopped)
+    assert all(accepted == min(expected, verified) or stopped for verified, accepted, stopped in rounds)
+    assert sum(stats.accepted_lengths) >= (10 if diverge_at is None else 4)
+
+
 # -- export -------------------------------------------------------------------------------------------------------
 
 
