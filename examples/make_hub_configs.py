@@ -12,7 +12,8 @@ the numbers were read. The transformers config class is built from those values 
 Drafter choices:
 - Qwen3-4B/8B/14B and Gemma-4-12B-it match DeepSeek's released `deepseek-ai/dspark_*_block7` drafters
   (DeepSpec `config/dspark/dspark_*.py` at commit afdfa7c): block 7, 5 draft layers, vanilla Markov head of rank 256,
-  confidence head fed the Markov embedding, DeepSeek's target layers and mask token.
+  confidence head fed the Markov embedding, DeepSeek's target layers and mask token; Gemma-4 with DeepSpec's Gemma-4
+  draft layer (`draft_layer="gemma4"`).
 - Llama-3.1-8B-Instruct and the SmolLM2 family: 2 draft layers (paper Fig. 3: the biggest gain is 1 -> 2 layers and
   a 2-layer DSpark already beats the 5-layer DFlash), block 7, layers from `default_target_layer_ids`, a learned mask
   embedding. Markov rank 64 for SmolLM2 (the CPU trials' rank); 256 for Llama-3.1-8B, the rank DeepSeek uses for
@@ -178,7 +179,8 @@ TARGETS = {
                 "vocab_size_per_layer_input": 262144,
             },
         },
-        # Gemma 4 applies RMSNorm to queries and keys (q_norm/k_norm); for_target does not know gemma4_unified_text.
+        # for_target gives Gemma-4 targets DeepSpec's Gemma-4 draft layer (`draft_layer="gemma4"`, the released
+        # Gemma4DSparkModel layout: global head 512, one shared K = V head); QK-norm is part of that layer.
         drafter=dict(DEEPSEEK, target_layer_ids=[5, 17, 29, 41, 46], mask_token_id=4, use_qk_norm=True),
     ),
     # meta-llama/Llama-3.1-8B-Instruct config.json, vendored verbatim in a model-dump markdown

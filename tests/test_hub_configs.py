@@ -29,6 +29,11 @@ DEEPSEEK = {
         num_target_layers=48,
         target_layer_ids=[5, 17, 29, 41, 46],
         mask_token_id=4,
+        # DeepSpec's Gemma-4 draft layer over the target's global attention: head 512, one K = V head
+        draft_layer="gemma4",
+        head_dim=512,
+        num_key_value_heads=1,
+        attention_k_eq_v=True,
     ),
 }
 EXPECTED = set(DEEPSEEK) | {

@@ -51,6 +51,9 @@ _QK_NORM_FAMILIES = (
     "gemma4_unified_text",
     "olmo2",
 )
+# Target families whose drafters get DeepSpec's Gemma-4 draft layer (`draft_layer="gemma4"`) by default.
+_GEMMA4_FAMILIES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+DRAFT_LAYERS = ("llama", "gemma4")
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -68,6 +71,19 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
         return [start]
     span = end - start
     return sorted({start + round(i * span / (count - 1)) for i in range(count)})
+
+
+def full_attention_value(text_config: PreTrainedConfig, name: str, default: Any = None) -> Any:
+    """`text_config.<name>` as a full-attention layer sees it (draft layers are all full attention).
+
+    Gemma-4 configs keep the full-attention layers' head size and KV heads as per-layer overrides (transformers
+    5.2x `per_layer_config`), and reading the global attribute then raises; other configs answer directly.
+    """
+    layer_types = getattr(text_config, "layer_types", None) or []
+    per_layer = getattr(text_config, "per_layer_config", None)
+    if per_layer is not None and "full_attention" in layer_types:
+        return getattr(per_layer[layer_types.index("full_attention")], name, default)
+    return getattr(text_config, name, default)
 
 
 def tokenizer_hashes(tokenizer) -> tuple[str, str | None]:
@@ -235,8 +251,8 @@ class DrafterConfig(PreTrainedConfig):
             pad_token_id=getattr(text, "pad_token_id", None),
             intermediate_size=text.intermediate_size,
             num_attention_heads=num_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            num_key_value_heads=full_attention_value(text, "num_key_value_heads") or num_heads,
+            head_dim=full_attention_value(text, "head_dim") or text.hidden_size // num_heads,
             hidden_act=hidden_act,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
             rope_parameters=dict(rope) if rope else None,
@@ -244,8 +260,8 @@ class DrafterConfig(PreTrainedConfig):
             attention_bias=bool(getattr(text, "attention_bias", False)),
             use_qk_norm=model_type in _QK_NORM_FAMILIES,
             final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
-            **cls.target_defaults(text),
         )
+        fields.update(cls.target_defaults(text))
         unknown = set(overrides) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"Unknown {cls.__name__} field(s) {sorted(unknown)}.")
@@ -329,6 +345,13 @@ class DSparkConfig(DrafterConfig):
         confidence_threshold (`float`): survival threshold of the `"threshold"` policy.
         draft_gate (`bool`): under `"scheduler"`, skip a round's draft pass when it is not expected to pay for itself
             (`scheduler.DraftGate`: the round is then a plain decoding step); False drafts every round.
+        draft_layer (`str`): the draft layer's layout. `"llama"`: Llama blocks, with per-head QK-norm when
+            `use_qk_norm` (DeepSpec's `Qwen3DSparkModel` layer). `"gemma4"`: DeepSpec's `Gemma4DSparkModel` layer
+            (sandwich norms, Gemma-4 RMSNorm, a scale-free value norm, attention scale 1.0, a `layer_scalar`), the
+            default for Gemma-4 targets; `head_dim` / `num_key_value_heads` are then the target's full-attention
+            (global) ones.
+        attention_k_eq_v (`bool`): Gemma-4 layout only: values are the raw key projection (no `v_proj`), as in
+            Gemma-4 targets with `attention_k_eq_v`.
         draft_vocab_size (`int`): 0 drafts over the whole vocabulary; N > 0 drafts only among N token ids (the
             `draft_vocab_ids` buffer of the checkpoint, set with `DSparkDraftModel.set_draft_vocab`), so the LM head
             and the sequential head compute N columns. Verification stays exact: a token outside them is simply
@@ -348,6 +371,8 @@ class DSparkConfig(DrafterConfig):
     confidence_threshold: float | int = 0.1
     draft_gate: bool = True
     draft_vocab_size: int = 0
+    draft_layer: str = "llama"
+    attention_k_eq_v: bool = False
 
     def __post_init__(self, **kwargs):
         if self.sts_temperatures is None:
@@ -367,6 +392,13 @@ class DSparkConfig(DrafterConfig):
             raise ValueError(
                 f"Unknown `sequential_head={self.sequential_head!r}`; choose one of {list(SEQUENTIAL_HEADS)} "
                 '("none" is the DFlash baseline).'
+            )
+        if self.draft_layer not in DRAFT_LAYERS:
+            raise ValueError(f"Unknown `draft_layer={self.draft_layer!r}`; choose one of {list(DRAFT_LAYERS)}.")
+        if self.attention_k_eq_v and self.draft_layer != "gemma4":
+            raise ValueError(
+                f"`attention_k_eq_v=True` needs `draft_layer='gemma4'` (got {self.draft_layer!r}); the Llama layout "
+                "always has a `v_proj`."
             )
         if self.verify_policy not in VERIFY_POLICIES:
             raise ValueError(f"Unknown `verify_policy={self.verify_policy!r}`; choose one of {list(VERIFY_POLICIES)}.")
@@ -400,16 +432,30 @@ class DSparkConfig(DrafterConfig):
     @classmethod
     def for_target(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DSparkConfig":
         """`DrafterConfig.for_target`; with `sequential_head="none"` (the DFlash mode) the confidence head reads h_k
-        alone, so `confidence_with_markov` defaults to False there."""
+        alone, so `confidence_with_markov` defaults to False there; `draft_layer="llama"` for a Gemma-4 target also
+        drops its K = V default."""
         if overrides.get("sequential_head") == "none":
             overrides.setdefault("confidence_with_markov", False)
+        if overrides.get("draft_layer") == "llama":
+            overrides.setdefault("attention_k_eq_v", False)
         return super().for_target(target_config, **overrides)
 
     @classmethod
     def target_defaults(cls, text_config: PreTrainedConfig) -> dict[str, Any]:
-        """The family's mask token, when the vocabulary has it (tiny test models of the family may not)."""
+        """The family's mask token, when the vocabulary has it (tiny test models of the family may not), and for
+        Gemma-4 targets DeepSpec's Gemma-4 draft layer (the released `Gemma4DSparkModel` layout)."""
         mask_id = _KNOWN_MASK_TOKENS.get(text_config.model_type)
-        return {"mask_token_id": mask_id if mask_id is not None and mask_id < text_config.vocab_size else None}
+        defaults = {"mask_token_id": mask_id if mask_id is not None and mask_id < text_config.vocab_size else None}
+        if text_config.model_type in _GEMMA4_FAMILIES:
+            k_eq_v = bool(getattr(text_config, "attention_k_eq_v", False))
+            defaults.update(draft_layer="gemma4", attention_k_eq_v=k_eq_v, use_qk_norm=True)
+        return defaults
 
 
-__all__ = ["DSparkConfig", "DrafterConfig", "default_target_layer_ids", "tokenizer_hashes"]
+__all__ = [
+    "DSparkConfig",
+    "DrafterConfig",
+    "default_target_layer_ids",
+    "full_attention_value",
+    "tokenizer_hashes",
+]

@@ -35,11 +35,14 @@ DSpark draft architectures vLLM registers for this format):
   exported `config.json` has `model_type="qwen3"` (the draft layers are Qwen3 layers, as in other Qwen3DSparkModel
   drafters for non-Qwen targets) and records the target family in `target_model_type`. vLLM's Qwen3DSparkModel
   builds only the vanilla Markov head, so `gated_markov` / `rnn` exports load in DeepSpec but not in vLLM.
-* `Gemma4DSparkModel` (DeepSeek's `dspark_gemma4_12b_block7`) has a Gemma-4 draft layer: sandwich norms, a
-  scale-free value norm, shared K=V projections, a `layer_scalar`, attention scale 1.0 and sqrt(d)-scaled
-  embeddings. dspark-hf's layer has none of these, so such checkpoints are refused at load time, and dspark-hf
-  drafters for Gemma targets are not exported (Qwen3DSparkModel would also drop their sqrt(d) embedding scale and
-  logit soft-capping).
+* `Gemma4DSparkModel` checkpoints (DeepSeek's `dspark_gemma4_12b_block7`) load exactly into a drafter with
+  `draft_layer="gemma4"` (`modeling_dspark_gemma4`: sandwich norms, a scale-free value norm, optional shared K=V
+  projections, a `layer_scalar`, attention scale 1.0; the sqrt(d) embedding scale is the Gemma-4 target's own
+  embedding module). DeepSpec's config.json is the target's Gemma-4 *text* config: the draft layers use its
+  `global_head_dim` and, with `attention_k_eq_v`, `num_global_key_value_heads`, read from the raw file (transformers
+  5.2x turns them into per-layer overrides). dspark-hf drafters of that layout for Gemma-4 targets export back to it;
+  other Gemma-family drafters (Llama layout, or Gemma 2/3 targets) are not exported (Qwen3DSparkModel would drop
+  their sqrt(d) embedding scale and logit soft-capping).
 
 `import dspark_hf` makes `AutoModel.from_pretrained` return a `DSparkDraftModel` for DeepSpec folders and repos
 (see `registration.py`); without that import transformers reads `model_type` and builds a plain target-family model.
@@ -57,7 +60,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
-from .configuration_dspark import DSparkConfig
+from .configuration_dspark import _GEMMA4_FAMILIES, DSparkConfig
 from .loading import check_checkpoint_files, read_config_file
 from .modeling_dspark import DSparkDraftModel
 
@@ -130,7 +133,8 @@ def _require(config: dict, *names: str) -> None:
 def _target_config(config: dict) -> PreTrainedConfig:
     """Rebuild the target's config from the deep-copied fields (with the target's depth, not the drafter's)."""
     fields = {k: v for k, v in config.items() if k not in _DSPARK_FIELDS and k not in (EXTRAS_KEY, "architectures")}
-    for key in ("model_type", "transformers_version", "layer_types", "tie_word_embeddings"):
+    # per_layer_config (a config.json saved by transformers 5.2x) is keyed by draft layers, not the target's
+    for key in ("model_type", "transformers_version", "layer_types", "tie_word_embeddings", "per_layer_config"):
         fields.pop(key, None)  # layer_types describes the draft layers, not the target's
     fields["num_hidden_layers"] = int(config["num_target_layers"])
     model_type = config.get("model_type") or ""
@@ -142,6 +146,45 @@ def _target_config(config: dict) -> PreTrainedConfig:
         return target
 
 
+def _gemma4_global_attention(config: dict) -> tuple[int, int | None]:
+    """(head size, KV heads) of a DeepSpec Gemma-4 draft layer, from the raw config.json: `global_head_dim` and
+    `num_global_key_value_heads` (transformers <= 5.1x), or the per-layer overrides transformers 5.2x saves
+    instead (every draft layer is a full-attention layer, so any entry)."""
+    override = next(iter((config.get("per_layer_config") or {}).values()), {})
+    head_dim = config.get("global_head_dim", override.get("head_dim"))
+    kv_heads = config.get("num_global_key_value_heads", override.get("num_key_value_heads"))
+    if head_dim is None:
+        raise ValueError("DeepSpec Gemma4 config lacks `global_head_dim`, the head size of its draft layers.")
+    return int(head_dim), None if kv_heads is None else int(kv_heads)
+
+
+def _gemma4_fields(config: dict) -> dict[str, Any]:
+    """The `draft_layer="gemma4"` fields of a DeepSpec `Gemma4DSparkModel` config (DeepSpec gemma4/modeling.py)."""
+    if int(config.get("hidden_size_per_layer_input") or 0) or config.get("enable_moe_block"):
+        raise ValueError(
+            "This Gemma4DSparkModel config asks for per-layer inputs or MoE blocks, which DeepSpec's Gemma-4 draft "
+            "layer does not have; was config.json edited?"
+        )
+    if config.get("use_double_wide_mlp") and int(config.get("num_kv_shared_layers") or 0):
+        raise ValueError(
+            "Gemma4DSparkModel configs with KV-shared layers and double-wide MLPs (`use_double_wide_mlp`, "
+            "`num_kv_shared_layers`) are not supported: dspark-hf's Gemma-4 draft layers have one MLP width."
+        )
+    head_dim, global_kv = _gemma4_global_attention(config)
+    k_eq_v = bool(config.get("attention_k_eq_v", False))
+    kv_heads = global_kv if k_eq_v else config.get("num_key_value_heads")
+    if kv_heads is None:
+        raise ValueError("DeepSpec Gemma4 config lacks the KV head count of its draft layers.")
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    return dict(
+        draft_layer="gemma4",
+        attention_k_eq_v=k_eq_v,
+        head_dim=head_dim,
+        num_key_value_heads=int(kv_heads),
+        hidden_act=act,
+    )
+
+
 def dspark_config_from_deepspec(config: dict) -> DSparkConfig:
     """Map a DeepSpec draft `config.json` (a dict) onto a `DSparkConfig`.
 
@@ -149,18 +192,12 @@ def dspark_config_from_deepspec(config: dict) -> DSparkConfig:
     come from the copied target fields through `DSparkConfig.for_target`; the DSpark fields are mapped one to one
     (`markov_head_type` vanilla/gated/rnn -> markov/gated_markov/rnn, `markov_rank=0` -> "none"). DeepSpec's
     Qwen3 attention always applies per-head QK-norm, so `use_qk_norm=True` whatever the target family.
-    `Gemma4DSparkModel` configs raise `ValueError` (see the module docstring).
+    `Gemma4DSparkModel` configs get `draft_layer="gemma4"` and the global head size / KV heads of the raw file.
     """
     if not is_deepspec_config(config):
         raise ValueError(
             f"Not a DeepSpec DSpark config (architectures={config.get('architectures')}, "
             f"model_type={config.get('model_type')!r})."
-        )
-    if GEMMA4_ARCHITECTURE in config["architectures"]:
-        raise ValueError(
-            "DeepSpec Gemma4 drafters are not supported: their draft layer (sandwich norms, unscaled value norm, "
-            "layer_scalar, attention scale 1.0, sqrt(d)-scaled embeddings) has no dspark-hf equivalent yet; only "
-            f"{QWEN3_ARCHITECTURE} checkpoints convert."
         )
     _require(config, "num_target_layers", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id")
     _require(config, "markov_rank", "enable_confidence_head")
@@ -192,6 +229,8 @@ def dspark_config_from_deepspec(config: dict) -> DSparkConfig:
         use_qk_norm=True,  # diff with for_target: DeepSpec's attention always has q_norm/k_norm, whatever the target
         tie_word_embeddings=False,
     )
+    if GEMMA4_ARCHITECTURE in config["architectures"]:
+        fields.update(_gemma4_fields(config))
     fields.update({k: v for k, v in (config.get(EXTRAS_KEY) or {}).items() if k in _EXTRA_FIELDS})
     family = config.get("target_text_model_type") or config.get("target_model_type")
     if family:  # exported for a non-Qwen3 target: config.json says "qwen3" (its draft layers), the target is this
@@ -343,19 +382,37 @@ def resolve_deepspec_folder(path: str | os.PathLike, kwargs: dict) -> Path | Non
         return None
 
 
+def _check_exportable_gemma4(config: DSparkConfig) -> None:
+    """Raise `ValueError` for `draft_layer="gemma4"` drafters that Gemma4DSparkModel cannot represent exactly."""
+    reasons = []
+    if config.target_model_type not in _GEMMA4_FAMILIES:
+        reasons.append(f"it was made for a {config.target_model_type!r} target; Gemma4DSparkModel is for Gemma-4")
+    if config.mask_token_id is None:
+        reasons.append("it learns a mask embedding (`mask_token_id=None`); DeepSpec needs a vocabulary mask token")
+    if config.mlp_bias:
+        reasons.append("its MLP has biases (`mlp_bias=True`); Gemma-4's has none")
+    if reasons:
+        raise ValueError(
+            "This drafter has no DeepSpec (Gemma4DSparkModel) equivalent: " + "; ".join(reasons) + ". Build it with "
+            "DSparkConfig.for_target(<the Gemma-4 target's config>) (mask token 4) and train it, then export it."
+        )
+
+
 def _check_exportable(drafter: DSparkDraftModel, target) -> None:
-    """Raise `ValueError` for drafters that DeepSpec's Qwen3DSparkModel cannot represent exactly."""
+    """Raise `ValueError` for drafters that DeepSpec's Qwen3DSparkModel / Gemma4DSparkModel cannot represent."""
     config = drafter.config
     config.check_target(target.config)
+    if config.draft_layer == "gemma4":
+        return _check_exportable_gemma4(config)
     if config.target_model_type.startswith("gemma") or config.final_logit_softcapping is not None:
         raise ValueError(
             f"This drafter was made for a {config.target_model_type!r} (Gemma-family) target and has no DeepSpec "
-            "equivalent. The one Gemma layout of DeepSpec and vLLM, Gemma4DSparkModel (Gemma-4 targets), has a draft "
-            "layer dspark-hf's Llama-style layer cannot represent (sandwich norms, scale-free value norm, shared K=V "
+            "equivalent in its Llama-style layout. The one Gemma layout of DeepSpec and vLLM, Gemma4DSparkModel "
+            "(Gemma-4 targets), has another draft layer (sandwich norms, scale-free value norm, shared K=V "
             "projections, layer_scalar, attention scale 1.0), and Qwen3DSparkModel applies neither Gemma's sqrt(d) "
             "embedding scale nor logit soft-capping, so an engine would draft from another distribution. Serve this "
-            "drafter with dspark-hf (`target.generate(..., assistant_model=drafter)`), or train a Gemma4DSparkModel "
-            "drafter with DeepSpec's Gemma4 trainer for those engines."
+            "drafter with dspark-hf (`target.generate(..., assistant_model=drafter)`), or, for a Gemma-4 target, "
+            "train one with `draft_layer='gemma4'` (DSparkConfig.for_target's default for Gemma-4), which exports."
         )
     reasons = []
     if not config.use_qk_norm:
@@ -372,23 +429,60 @@ def _check_exportable(drafter: DSparkDraftModel, target) -> None:
         )
 
 
+def _gemma4_layer_fields(config: DSparkConfig, target_fields: dict) -> dict[str, Any]:
+    """The Gemma-4 text-config fields DeepSpec's Gemma4DSparkModel reads, for a `draft_layer="gemma4"` drafter.
+
+    The draft layers' head size / KV heads go to `global_head_dim` / `num_global_key_value_heads` (or
+    `num_key_value_heads` without K = V), as transformers 5.1x writes them; their RoPE to
+    `rope_parameters["full_attention"]`. Per-layer inputs, MoE, KV sharing and double-wide MLPs are switched off: they
+    describe the target's layers, and DeepSpec's draft layer has none of them.
+    """
+    rope = dict(target_fields.get("rope_parameters") or {})
+    rope["full_attention"] = dict(config.rope_parameters)
+    target_fields.pop("per_layer_config", None)  # keyed by the target's layers; the global fields replace it
+    target_fields.pop("hidden_act", None)
+    fields = dict(
+        architectures=[GEMMA4_ARCHITECTURE],
+        target_model_type=config.target_model_type.removesuffix("_text"),  # DeepSpec: the top-level model type
+        target_text_model_type=config.target_model_type,
+        global_head_dim=config.head_dim,
+        num_global_key_value_heads=config.num_key_value_heads,
+        attention_k_eq_v=config.attention_k_eq_v,
+        hidden_activation=config.hidden_act,
+        rope_parameters=rope,
+        final_logit_softcapping=config.final_logit_softcapping,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=False,
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+    )
+    if not config.attention_k_eq_v:
+        fields["num_key_value_heads"] = config.num_key_value_heads
+    return fields
+
+
 def deepspec_config_dict(drafter: DSparkDraftModel, target, num_anchors: int = DEFAULT_NUM_ANCHORS) -> dict:
     """DeepSpec's `config.json` for `drafter`: the target's config dict + the drafter's shapes + DSpark fields."""
     config = drafter.config
     out = target.config.get_text_config(decoder=True).to_dict()
-    if out.get("model_type") != "qwen3":  # a Llama-family target: the draft layers are Qwen3's, see the docstring
-        out.update(model_type="qwen3", target_model_type=config.target_model_type)
+    if config.draft_layer == "gemma4":
+        out.update(_gemma4_layer_fields(config, out))
+    else:
+        if out.get("model_type") != "qwen3":  # a Llama-family target: the draft layers are Qwen3's, see docstring
+            out.update(model_type="qwen3", target_model_type=config.target_model_type)
+        out.update(
+            architectures=[QWEN3_ARCHITECTURE],  # our draft layer is Qwen3's (Llama blocks + QK-norm), see docstring
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            hidden_act=config.hidden_act,
+            rope_parameters=config.rope_parameters,
+        )
     rank = config.markov_rank if config.sequential_head != "none" else 0
     out.update(
-        architectures=[QWEN3_ARCHITECTURE],  # our draft layer is Qwen3's (Llama blocks + QK-norm), see docstring
         # the drafter's own backbone shapes (equal to the target's unless overridden at training time)
         intermediate_size=config.intermediate_size,
         num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        hidden_act=config.hidden_act,
         rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=config.rope_parameters,
         max_position_embeddings=config.max_position_embeddings,
         attention_bias=config.attention_bias,
         attention_dropout=config.attention_dropout,
@@ -419,13 +513,15 @@ def export_deepspec(
     num_anchors: int = DEFAULT_NUM_ANCHORS,
     overwrite: bool = False,
 ) -> Path:
-    """Write `drafter` as a DeepSpec `Qwen3DSparkModel` checkpoint (`config.json` + `model.safetensors`).
+    """Write `drafter` as a DeepSpec `Qwen3DSparkModel` or `Gemma4DSparkModel` checkpoint (`config.json` +
+    `model.safetensors`).
 
     The state dict is ours plus `embed_tokens.weight` / `lm_head.weight` copied from `target` (in the drafter's
-    dtype), as DeepSpec stores them. Qwen3DSparkModel is used for every exportable target (Qwen3, Llama, Mistral,
-    Qwen2, ...): its decoder layer is exactly ours with QK-norm, so the drafter needs `use_qk_norm=True` and a
-    vocabulary `mask_token_id`; Gemma-family drafters are refused (see the module docstring). `ValueError` says which
-    condition fails. The folder is written under a temporary name next to `out_dir` and renamed into place.
+    dtype), as DeepSpec stores them. `draft_layer="gemma4"` drafters of Gemma-4 targets become Gemma4DSparkModel.
+    Qwen3DSparkModel is used for every other exportable target (Qwen3, Llama, Mistral, Qwen2, ...): its decoder layer
+    is exactly ours with QK-norm, so the drafter needs `use_qk_norm=True`; both need a vocabulary `mask_token_id`;
+    other Gemma-family drafters are refused (see the module docstring). `ValueError` says which condition fails. The
+    folder is written under a temporary name next to `out_dir` and renamed into place.
     """
     _check_exportable(drafter, target)
     if drafter.config.sequential_head in ("gated_markov", "rnn"):

@@ -75,6 +75,21 @@ def _at(values, k):
     return values[k] if values and k < len(values) else None
 
 
+def _layer_note(config) -> str:
+    """Which draft-layer layout the drafter has, and the DeepSpec / vLLM format it corresponds to."""
+    if config.model_type != "dspark":
+        return f"{config.model_type} (no DeepSpec equivalent)"
+    if config.draft_layer == "gemma4":
+        k_eq_v = ", shared K = V" if config.attention_k_eq_v else ""
+        return (
+            f"Gemma-4 (DeepSpec `Gemma4DSparkModel` layout, head {config.head_dim}{k_eq_v}): the layout of DeepSeek's "
+            "released `deepseek-ai/dspark_gemma4_12b_block7`, whose DeepSpec checkpoint `DSparkDraftModel."
+            "from_pretrained` loads (matched against DeepSpec's own code on tiny models to 3.3e-6 in float32)"
+        )
+    qk = "with" if config.use_qk_norm else "without"
+    return f"Llama blocks {qk} QK-norm (DeepSpec `Qwen3DSparkModel` layout when with QK-norm)"
+
+
 def model_card(
     config,
     results: dict | None = None,
@@ -114,6 +129,7 @@ def model_card(
         f"vocab {config.vocab_size})",
         f"- draft layers: {config.num_hidden_layers}; block size γ = {config.block_size}; target layers "
         f"{config.target_layer_ids}",
+        f"- draft layer: {_layer_note(config)}",
         f"- sequential head: {config.sequential_head} (rank {config.markov_rank}); confidence head: "
         f"{config.confidence_head}; verify policy: {config.verify_policy}",
         f"- STS temperatures: {[round(t, 3) for t in config.sts_temperatures]}",

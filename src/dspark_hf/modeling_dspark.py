@@ -84,17 +84,10 @@ class DSparkAttention(LlamaAttention):
             self.q_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        context_hidden_states: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+    def project_qkv(self, hidden_states: torch.Tensor, context_hidden_states: torch.Tensor | None):
+        """Queries of the block (B, H, Q, hd); keys and values (B, Hkv, C + Q, hd) of context + block, normed but
+        not rotated."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         # diff with Llama: keys/values also cover the fused target context, prepended along the sequence axis
         kv_input = (
             hidden_states if context_hidden_states is None else torch.cat([context_hidden_states, hidden_states], 1)
@@ -106,7 +99,19 @@ class DSparkAttention(LlamaAttention):
         value_states = self.v_proj(kv_input).view(kv_shape).transpose(1, 2)
         if hasattr(self, "q_norm"):
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        return query_states, key_states, value_states
 
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context_hidden_states: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        query_states, key_states, value_states = self.project_qkv(hidden_states, context_hidden_states)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         if cache is not None:
@@ -155,6 +160,16 @@ class DSparkDecoderLayer(LlamaDecoderLayer):
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def draft_layer_classes(config: DSparkConfig) -> tuple[type[nn.Module], type[nn.Module]]:
+    """(RMSNorm, decoder layer) classes of `config.draft_layer`: Llama blocks, or DeepSpec's Gemma-4 draft layer
+    (`modeling_dspark_gemma4`); the backbone, heads and decoding are the same for both."""
+    if config.draft_layer == "gemma4":
+        from .modeling_dspark_gemma4 import DSparkGemma4DecoderLayer, DSparkGemma4RMSNorm
+
+        return DSparkGemma4RMSNorm, DSparkGemma4DecoderLayer
+    return DSparkRMSNorm, DSparkDecoderLayer
 
 
 @dataclass
@@ -262,7 +277,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
     base_model_prefix = "dspark"
     main_input_name = "noise_embeds"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["DSparkDecoderLayer"]
+    _no_split_modules = ["DSparkDecoderLayer", "DSparkGemma4DecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = False  # the block attends to context it did not produce; masks are custom
     _supports_flex_attn = True
@@ -272,6 +287,8 @@ class DSparkPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if module is self and getattr(self, "mask_embedding", None) is not None:
             init.normal_(self.mask_embedding, std=self.config.initializer_range)
+        if isinstance(getattr(module, "layer_scalar", None), torch.Tensor):  # the Gemma-4 layer's output scale
+            init.ones_(module.layer_scalar)
         head = getattr(self, "markov_head", None)
         if head is not None and module is head.markov_w2:
             # The sequential bias starts at zero so that an untrained head leaves the backbone's logits unchanged.
@@ -288,9 +305,10 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
         super().__init__(config)
         d = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
-        self.hidden_norm = DSparkRMSNorm(d, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList([DSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = DSparkRMSNorm(d, eps=config.rms_norm_eps)
+        norm_class, layer_class = draft_layer_classes(config)
+        self.hidden_norm = norm_class(d, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([layer_class(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = norm_class(d, eps=config.rms_norm_eps)
         self.rotary_emb = DSparkRotaryEmbedding(config)
         self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
         self.markov_head = None
