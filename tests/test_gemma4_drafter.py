@@ -23,6 +23,7 @@ from dspark_hf import DSparkConfig, DSparkDraftModel
 from dspark_hf.cli import main as cli_main
 from dspark_hf.conversion import convert_deepspec_state_dict, dspark_config_from_deepspec, export_deepspec
 from dspark_hf.modeling_dspark_gemma4 import DSparkGemma4DecoderLayer
+from helpers import sample_block
 
 
 REFERENCE = Path(__file__).parent / "fixtures" / "deepspec_gemma4_reference.safetensors"
@@ -186,7 +187,7 @@ def drafter_cache_rounds(drafter, embed, lm_head):
         cache.crop(start - cache.get_seq_length())  # drop the block's entries: the cache holds context < start
         assert cache.get_seq_length() == start
         sequence = torch.tensor([[anchor]])
-        tokens = drafter.sample_block(hidden, sequence, lm_head).tokens  # (1, γ)
+        tokens = sample_block(drafter, (embed, lm_head), hidden, sequence).tokens  # (1, γ)
         prev = torch.cat([sequence, tokens[:, :-1]], dim=1)  # (1, γ)
         logits = drafter.block_logits(hidden[:, None], prev[:, None], lm_head)[:, 0]
         outputs.append((hidden, tokens, logits, drafter.confidence_logits(hidden, prev)))
@@ -212,7 +213,7 @@ def training_outputs(drafter, borrowed, input_ids, target_hidden_states, anchors
     logits = drafter.block_logits(hidden.view(1, n_blocks, gamma, -1), prev, lm_head)
     confidence = drafter.confidence_logits(hidden, prev.view(1, -1)).view(1, n_blocks, gamma)
     greedy = [
-        drafter.sample_block(hidden[:, b * gamma : (b + 1) * gamma], input_ids[:, : a + 1], lm_head).tokens
+        sample_block(drafter, (embed, lm_head), hidden[:, b * gamma : (b + 1) * gamma], input_ids[:, : a + 1]).tokens
         for b, a in enumerate(anchors.tolist())
     ]
     return hidden, logits, confidence, torch.cat(greedy)
