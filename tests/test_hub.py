@@ -220,7 +220,7 @@ def test_custom_generate_folder_works_without_the_package(tmp_path):
             setattr(target.generation_config, key, None)
         drafter = AutoModel.from_pretrained({str(tmp_path / "repo")!r}, trust_remote_code=True).eval()
         # undo the global routing the remote modeling file installs, so only custom_generate can route to DSpark
-        GenerationMixin._get_candidate_generator = GenerationMixin._get_candidate_generator.__wrapped__
+        GenerationMixin.generate = GenerationMixin.generate._dspark_original
         ids = torch.randint(0, 99, (1, 6))
         ref = target.generate(ids, max_new_tokens=12, do_sample=False)
         out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,

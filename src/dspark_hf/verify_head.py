@@ -34,6 +34,7 @@ from torch import nn
 
 from . import verify_attention
 from .utils import linear_few_rows
+from .verify_attention import routable, routed  # (also how remote-code loading finds the module to copy)
 
 
 ENABLED = True
@@ -91,7 +92,7 @@ def version(model) -> int:
     not apply, `VERSION` when its attention is routed as well (`verify_attention.routable`), else 2."""
     if not (ENABLED and eligible(model)):
         return 0
-    return VERSION if verify_attention.ENABLED and verify_attention.routable(model) else 2
+    return VERSION if verify_attention.ENABLED and routable(model) else 2
 
 
 @contextlib.contextmanager
@@ -109,7 +110,7 @@ def verify_kernels(model, linears: list[nn.Linear] | None = None):
     for module in swapped:
         module.__class__ = VerifyHead if module is head else VerifyLinear
     try:
-        with verify_attention.routed(model):
+        with routed(model):
             yield
     finally:
         for module in swapped:
