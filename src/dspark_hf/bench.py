@@ -1,7 +1,4 @@
-"""Benchmark prompts and timed generation: the pieces the evaluation harness (`evaluation.py`) and the demo share.
-
-`run_bench` is plain vs one drafter, greedy, on one prompt list: a single run of the harness, flattened.
-"""
+"""Benchmark prompts and timed generation: the pieces the evaluation harness (`evaluation.py`) and the demo share."""
 
 import time
 from pathlib import Path
@@ -74,21 +71,3 @@ def timed_generate(target, input_ids, max_new_tokens, drafter=None, **generate_k
     if out.is_cuda:
         torch.cuda.synchronize(out.device)
     return out[0, input_ids.shape[1] :], time.perf_counter() - start
-
-
-def run_bench(target, tokenizer, drafter, records, max_new_tokens=128, progress=True) -> dict:
-    """Plain vs `drafter` greedy on `records`: the harness's run entry (see `evaluation.run_evaluation`) plus
-    `tokens_per_second_dspark`, `block_size` and `verify_policy`."""
-    from .evaluation import run_evaluation
-
-    result = run_evaluation(
-        target, tokenizer, {"dspark": drafter}, {"prompts": records}, max_new_tokens, progress=progress
-    )
-    run = result["runs"][0]
-    return {
-        **run,
-        "max_new_tokens": max_new_tokens,
-        "tokens_per_second_dspark": run["tokens_per_second"],
-        "block_size": drafter.config.block_size,
-        "verify_policy": getattr(drafter.config, "verify_policy", None),
-    }

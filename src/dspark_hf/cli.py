@@ -80,7 +80,8 @@ def _load(args):
 
 
 def cmd_demo(args) -> int:
-    from .bench import encode, run_bench, timed_generate
+    from .bench import encode, timed_generate
+    from .evaluation import run_bench
 
     _at_least(args, 1, "repeats", "max_new_tokens")
     _check_model_path(args.target, "--target")

@@ -541,7 +541,24 @@ def load_assistant(path: str, dtype: torch.dtype | None = None):
     return auto.from_pretrained(path, dtype=dtype or torch.float32).eval()
 
 
+def run_bench(target, tokenizer, drafter, records, max_new_tokens=128, progress=True) -> dict:
+    """Plain vs `drafter` greedy on `records`: the harness's run entry (see `evaluation.run_evaluation`) plus
+    `tokens_per_second_dspark`, `block_size` and `verify_policy`."""
+    result = run_evaluation(
+        target, tokenizer, {"dspark": drafter}, {"prompts": records}, max_new_tokens, progress=progress
+    )
+    run = result["runs"][0]
+    return {
+        **run,
+        "max_new_tokens": max_new_tokens,
+        "tokens_per_second_dspark": run["tokens_per_second"],
+        "block_size": drafter.config.block_size,
+        "verify_policy": getattr(drafter.config, "verify_policy", None),
+    }
+
+
 __all__ = [
+    "run_bench",
     "fixed_draft_length",
     "format_evaluation",
     "generation_kwargs",

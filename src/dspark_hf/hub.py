@@ -99,7 +99,7 @@ def model_card(
 ) -> str:
     """Markdown model card with YAML front matter, built from measured results.
 
-    results: {dataset name: bench JSON (see `dspark_hf.bench.run_bench`)}; profile: an SPS profile
+    results: {dataset name: bench JSON (see `dspark_hf.evaluation.run_bench`)}; profile: an SPS profile
     (`dspark-hf profile`); training: the training config and data summary; calibration: the report of
     `dspark-hf calibrate` (`calibration.json`, see `dspark_hf.calibration.calibration_report`).
     """

@@ -21,7 +21,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
 from .configuration_dspark import DSparkConfig
-from .modeling_dspark import DSparkAttention, DSparkMLP
+from .modeling_dspark_layers import DSparkAttention, DSparkMLP
 
 
 class DSparkGemma4RMSNorm(Gemma4RMSNorm):

@@ -26,10 +26,9 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from .configuration_eagle3 import Eagle3Config
-from .modeling_dspark import (
-    DrafterMixin,
+from .modeling_dspark import DrafterMixin, DSparkBlockDraft
+from .modeling_dspark_layers import (
     DSparkAttention,
-    DSparkBlockDraft,
     DSparkMLP,
     DSparkRMSNorm,
     DSparkRotaryEmbedding,

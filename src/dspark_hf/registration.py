@@ -44,6 +44,14 @@ def _refuse_deepspec_as_causal_lm(path, folder, model_args, kwargs):
     )
 
 
+def _read_deepspec(path, model_args, kwargs):
+    """`DSparkDraftModel.from_pretrained`'s reader of DeepSpec checkpoints (their config.json is the target's)."""
+    from .conversion import resolve_deepspec_folder
+
+    folder = resolve_deepspec_folder(path, kwargs)
+    return None if folder is None else _load_deepspec_as_drafter(path, folder, model_args, kwargs)
+
+
 def _route_deepspec(auto_class, handler) -> None:
     """Wrap `auto_class.from_pretrained` so that DeepSpec checkpoints go to `handler`. Idempotent."""
     original = auto_class.from_pretrained.__func__
@@ -77,6 +85,8 @@ def register() -> None:
         # weights, so `AutoModel.from_pretrained(path, trust_remote_code=True)` works without this package.
         config_class.register_for_auto_class()
         model_class.register_for_auto_class("AutoModel")
+    if _read_deepspec not in DSparkDraftModel.checkpoint_readers:
+        DSparkDraftModel.checkpoint_readers.append(_read_deepspec)
     _route_deepspec(AutoModel, _load_deepspec_as_drafter)
     _route_deepspec(AutoModelForCausalLM, _refuse_deepspec_as_causal_lm)
     install()

@@ -1,0 +1,107 @@
+"""The package's import graph (read from the source with `ast`, imports inside functions included) follows the
+declared layer order: no cycles, and no module imports a module of a higher layer."""
+
+import ast
+import fnmatch
+from pathlib import Path
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dspark_hf"
+
+# lowest first; a module may import its own layer and the layers below it
+LAYERS = [
+    ("utilities and CPU kernels", ["utils", "compat", "loading", "stats", "acceptance", "scheduler", "ragged_cache",
+                                   "packed_linear", "verify_attention", "verify_head"]),
+    ("configs", ["configuration_dspark", "configuration_eagle3"]),
+    ("models (pure nn)", ["heads", "modeling_dspark_layers", "modeling_dspark_gemma4", "modeling_dspark",
+                          "modeling_eagle3"]),
+    ("other projects' checkpoint formats", ["conversion", "export_*"]),
+    ("the decode round", ["rows", "profiling", "policy", "candidate_generator", "core"]),
+    ("drivers", ["generation", "request", "engine"]),
+    ("integration", ["registration", "hub", "default", "__init__"]),
+    ("training", ["calibration", "training", "training.*"]),
+    ("evaluation and serving", ["bench", "evaluation", "evaluation_plots", "simulator", "openai_protocol", "serving",
+                                "load_bench"]),
+    ("command line", ["cli"]),
+]  # fmt: skip
+
+# Loaded as remote code (`trust_remote_code=True`, no package installed), a drafter's modeling file routes
+# generate() itself; imported as part of the package it does nothing (see the bottom of modeling_dspark.py).
+ALLOWED_UPWARD = {("modeling_dspark", "generation"), ("modeling_eagle3", "generation")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package and len(parts) > 1 else parts)
+        package = parts[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - (node.level - 1)]
+                if node.module:
+                    deps.add(".".join([*base, node.module]))
+                else:
+                    deps.update(".".join([*base, alias.name]) for alias in node.names)
+        graph[name] = deps
+    return {name: {d for d in deps if d in graph} for name, deps in graph.items()}
+
+
+def layer_of(module: str) -> int:
+    for index, (_, patterns) in enumerate(LAYERS):
+        if any(fnmatch.fnmatchcase(module, pattern) for pattern in patterns):
+            return index
+    raise AssertionError(f"dspark_hf.{module} is in no layer: add it to LAYERS in tests/test_layout.py")
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_no_upward_imports():
+    graph = import_graph()
+    upward = [
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+        for a, deps in sorted(graph.items())
+        for b in sorted(deps)
+        if layer_of(b) > layer_of(a) and (a, b) not in ALLOWED_UPWARD
+    ]
+    assert upward == []
+
+
+def test_the_checks_can_fail():
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert layer_of("cli") > layer_of("core") > layer_of("modeling_dspark")
