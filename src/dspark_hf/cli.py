@@ -321,7 +321,6 @@ def cmd_data(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .conversion import export_deepspec
     from .modeling_dspark import DSparkDraftModel
 
     if args.target is None:
@@ -333,6 +332,14 @@ def cmd_export(args) -> int:
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     drafter = DSparkDraftModel.from_pretrained(args.drafter)
+    if args.format == "speculators":
+        from .export_speculators import export_speculators
+
+        out = export_speculators(drafter, target, args.out, verifier=args.verifier, overwrite=args.overwrite)
+        print(f"wrote a speculators (vLLM) checkpoint to {out}")
+        return 0
+    from .conversion import export_deepspec
+
     out = export_deepspec(drafter, target, args.out, overwrite=args.overwrite)
     print(f"wrote a DeepSpec ({args.format}) checkpoint to {out}")
     return 0
@@ -578,12 +585,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_models(cal)
     cal.set_defaults(func=cmd_calibrate)
 
-    export = sub.add_parser("export", help="write a drafter in another checkpoint format (DeepSpec)")
-    export.add_argument("--format", choices=["deepspec"], default="deepspec")
+    export = sub.add_parser(
+        "export", help="write a drafter in another checkpoint format (DeepSpec for SGLang, speculators for vLLM)"
+    )
+    export.add_argument("--format", choices=["deepspec", "speculators"], default="deepspec")
     export.add_argument("--drafter", required=True, help="DSpark drafter checkpoint to export")
     export.add_argument("--target", help="its target (path or Hub id; default: embedded SmolLM2-135M-Instruct)")
     export.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    export.add_argument(
+        "--verifier", help="speculators: the target's Hub id or path recorded for vLLM (default: the drafter's target)"
+    )
     export.set_defaults(func=cmd_export)
     return parser
 
