@@ -403,5 +403,38 @@ class DSparkConfig(DrafterConfig):
         mask_id = _KNOWN_MASK_TOKENS.get(text_config.model_type)
         return {"mask_token_id": mask_id if mask_id is not None and mask_id < text_config.vocab_size else None}
 
+    @classmethod
+    def for_target(cls, target_config: PreTrainedConfig, exportable: bool = True, **overrides: Any) -> "DSparkConfig":
+        """`DrafterConfig.for_target`, by default for a drafter that every export format can carry.
 
-__all__ = ["DSparkConfig", "DrafterConfig", "default_target_layer_ids", "tokenizer_hashes"]
+        With `exportable=True` (the default) a drafter for a non-Gemma target gets the engines' Qwen3 draft layer:
+        per-head QK-norm (`use_qk_norm=True`) and a vocabulary mask token (the family's known one, else
+        `default_mask_token_id`), which `dspark-hf export` needs for DeepSpec (SGLang), speculators (vLLM) and
+        GGUF (llama.cpp). `exportable=False` keeps the target family's own attention (QK-norm only where the family
+        has it) and learns a mask embedding where the family has no known mask token. Gemma-family drafters are
+        not exportable either way (see `export_common.export_blockers`). Explicit `overrides` always win.
+        """
+        if exportable and isinstance(target_config, PreTrainedConfig):
+            text = target_config.get_text_config(decoder=True)
+            if not text.model_type.startswith("gemma") and getattr(text, "final_logit_softcapping", None) is None:
+                defaults: dict[str, Any] = {"use_qk_norm": True}
+                if cls.target_defaults(text)["mask_token_id"] is None:
+                    defaults["mask_token_id"] = default_mask_token_id(text)
+                overrides = {**defaults, **overrides}
+        return super().for_target(target_config, **overrides)
+
+
+def default_mask_token_id(text_config: PreTrainedConfig) -> int:
+    """The mask token of an exportable drafter whose target family has none: the last vocabulary id that is not the
+    bos/eos/pad token (an unused padding row or reserved token in many vocabularies, else a rare late BPE merge)."""
+    special = set()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(text_config, name, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])
+    token = text_config.vocab_size - 1
+    while token in special:
+        token -= 1
+    return token
+
+
+__all__ = ["DSparkConfig", "DrafterConfig", "default_mask_token_id", "default_target_layer_ids", "tokenizer_hashes"]
