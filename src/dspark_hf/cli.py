@@ -323,15 +323,27 @@ def cmd_data(args) -> int:
 def cmd_export(args) -> int:
     from .modeling_dspark import DSparkDraftModel
 
+    tokenizer = None
     if args.target is None:
         from .default import load_default_target
 
-        target, _ = load_default_target()
+        target, tokenizer = load_default_target()
     else:
         from transformers import AutoModelForCausalLM
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     drafter = DSparkDraftModel.from_pretrained(args.drafter)
+    if args.format == "gguf":
+        from .export_gguf import export_gguf
+
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.target)
+        options = dict(llamacpp_dir=args.llamacpp, outtype=args.outtype, python=args.converter_python)
+        out = export_gguf(drafter, target, tokenizer, args.out, overwrite=args.overwrite, **options)
+        print(f"wrote a llama.cpp GGUF draft model to {out}")
+        return 0
     if args.format == "speculators":
         from .export_speculators import export_speculators
 
@@ -586,9 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     export = sub.add_parser(
-        "export", help="write a drafter in another checkpoint format (DeepSpec for SGLang, speculators for vLLM)"
+        "export",
+        help="write a drafter in another format (DeepSpec for SGLang, speculators for vLLM, GGUF for llama.cpp)",
     )
-    export.add_argument("--format", choices=["deepspec", "speculators"], default="deepspec")
+    export.add_argument("--format", choices=["deepspec", "speculators", "gguf"], default="deepspec")
     export.add_argument("--drafter", required=True, help="DSpark drafter checkpoint to export")
     export.add_argument("--target", help="its target (path or Hub id; default: embedded SmolLM2-135M-Instruct)")
     export.add_argument("--out", required=True, help="output folder (must be empty or absent)")
@@ -596,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--verifier", help="speculators: the target's Hub id or path recorded for vLLM (default: the drafter's target)"
     )
+    export.add_argument("--llamacpp", help="gguf: llama.cpp source folder (its converter runs; default $LLAMACPP_DIR)")
+    export.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"], help="gguf: tensor type")
+    export.add_argument("--converter-python", help="gguf: Python with llama.cpp's converter requirements")
     export.set_defaults(func=cmd_export)
     return parser
 
