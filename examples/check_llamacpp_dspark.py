@@ -40,12 +40,14 @@ def run(cmd: list[str], timeout: float) -> tuple[str, str, float]:
     return done.stdout, done.stderr, wall
 
 
-def generated(stdout: str, prompt: str) -> str:
-    """The text after the echoed prompt (both tools print the prompt's pieces, then the generated pieces)."""
-    text = stdout.lstrip("\n")
-    if not text.startswith(prompt):
-        raise ValueError(f"the tool's output does not start with the prompt: {text[:200]!r}")
-    return text[len(prompt) :].rstrip("\n").removesuffix(" [end of text]").rstrip("\n")
+def generated(stdout: str, question: str) -> str:
+    """The text after the echoed prompt: both tools echo the prompt (llama-completion without its special tokens),
+    so the generation starts after the "assistant" line that follows the question."""
+    start = stdout.find(question)
+    marker = stdout.find("assistant\n", start + len(question)) if start >= 0 else -1
+    if marker < 0:
+        raise ValueError(f"the tool's output does not echo the chat prompt: {stdout[:300]!r}")
+    return stdout[marker + len("assistant\n") :].rstrip("\n").removesuffix(" [end of text]").rstrip("\n")
 
 
 def plain_speed(stderr: str) -> tuple[float, int]:
@@ -72,6 +74,45 @@ def spec_stats(stderr: str) -> dict:
     )
 
 
+def transformers_side(folder: str, prompts: list[str], max_new_tokens: int, threads: int) -> list[dict]:
+    """transformers plain greedy and + drafter (whole block verified, as llama.cpp does with --spec-draft-p-min 0):
+    decode tok/s (prefill timed by a 1-token generate and subtracted), acceptance of the drafted tokens."""
+    import torch
+
+    from dspark_hf import DSparkDraftModel
+    from dspark_hf.default import load_default_target
+
+    torch.set_num_threads(threads)
+    target, tokenizer = load_default_target()
+    drafter = DSparkDraftModel.from_pretrained(folder, target=target)
+    drafter.config.verify_policy = "fixed"
+
+    def timed(ids, n, **kwargs):
+        start = time.perf_counter()
+        out = target.generate(ids, do_sample=False, max_new_tokens=n, **kwargs)
+        return out, time.perf_counter() - start
+
+    rows = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        _, prefill = timed(ids, 1)
+        plain, t_plain = timed(ids, max_new_tokens)
+        spec, t_spec = timed(ids, max_new_tokens, assistant_model=drafter)
+        stats = drafter.generation_stats
+        n = plain.shape[1] - ids.shape[1]
+        rows.append(
+            dict(
+                identical=bool(torch.equal(plain, spec)),
+                plain_tok_s=(n - 1) / max(t_plain - prefill, 1e-9),
+                spec_tok_s=(n - 1) / max(t_spec - prefill, 1e-9),
+                tokens=n,
+                drafted=sum(stats.verify_lengths),
+                accepted=sum(stats.accepted_lengths),
+            )
+        )
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bin", type=Path, required=True, help="llama.cpp build/bin folder")
@@ -84,33 +125,43 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-max", type=int, default=7, help="--spec-draft-n-max (the drafter's block size)")
     parser.add_argument("--spec-type", default="draft-dspark")
     parser.add_argument("--json", type=Path, help="also write the per-prompt results here")
+    parser.add_argument(
+        "--transformers-drafter",
+        help="also time transformers plain greedy and transformers + this drafter (the exported checkpoint folder) "
+        "on the same prompts, for a four-way table",
+    )
     args = parser.parse_args(argv)
 
-    from dspark_hf.default import gguf_path, load_default_target
+    from transformers import AutoTokenizer
 
-    if args.target is None:
-        folder, name = gguf_path()
-        args.target = Path(folder) / name
-    _, tokenizer = load_default_target()
+    from dspark_hf.default import gguf_path
+
+    folder, name = gguf_path()
+    args.target = args.target or Path(folder) / name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)  # the target's chat template
     common = ["-m", str(args.target), "-n", str(args.max_new_tokens), "--temp", "0", "-t", str(args.threads)]
-    common += ["-s", "0", "-c", "2048", "--no-warmup"]
-    rows = []
+    common += ["-s", "0", "-c", "2048"]
+    rows, prompts = [], []
     for i, question in enumerate(read_prompts(args.prompts, args.num_prompts)):
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
+        prompts.append(prompt)
         out, err, _ = run([str(args.bin / "llama-completion"), *common, "-no-cnv", "-p", prompt], 600)
-        plain_text = generated(out, prompt)
+        plain_text = generated(out, question)
         plain_tok_s, plain_tokens = plain_speed(err)
         spec_cmd = [str(args.bin / "llama-speculative-simple"), *common, "-md", str(args.draft), "-p", prompt]
         spec_cmd += ["--spec-type", args.spec_type, "--spec-draft-n-max", str(args.draft_max)]
         spec_cmd += ["--spec-draft-p-min", "0"]
         out, err, _ = run(spec_cmd, 600)
-        spec_text = generated(out, prompt)
+        spec_text = generated(out, question)
         stats = spec_stats(err)
+        # llama-speculative-simple may accept past -n by up to a block: the plain text must be all of its start
         row = dict(
             prompt=i,
-            identical=plain_text == spec_text,
+            identical=spec_text.startswith(plain_text),
+            plain_chars=len(plain_text),
+            spec_chars=len(spec_text),
             plain_tok_s=round(plain_tok_s, 2),
             plain_tokens=plain_tokens,
             spec_tok_s=stats["tok_s"],
@@ -136,6 +187,16 @@ def main(argv=None) -> int:
         speedup=round(spec / plain, 3),
         accept_rate=round(accepted / max(drafted, 1), 3),
     )
+    if args.transformers_drafter:
+        hf = transformers_side(args.transformers_drafter, prompts, args.max_new_tokens, args.threads)
+        tokens = sum(r["tokens"] - 1 for r in hf)
+        summary.update(
+            transformers_identical=sum(r["identical"] for r in hf),
+            transformers_plain_tok_s=round(tokens / sum((r["tokens"] - 1) / r["plain_tok_s"] for r in hf), 1),
+            transformers_dspark_tok_s=round(tokens / sum((r["tokens"] - 1) / r["spec_tok_s"] for r in hf), 1),
+            transformers_accept_rate=round(sum(r["accepted"] for r in hf) / max(sum(r["drafted"] for r in hf), 1), 3),
+        )
+        same = min(same, summary["transformers_identical"])
     print(json.dumps(summary))
     if args.json:
         args.json.write_text(json.dumps(dict(summary=summary, rows=rows), indent=2))

@@ -6,7 +6,7 @@
 #   examples/llamacpp_dspark.sh DRAFTER_DIR [extra check_llamacpp_dspark.py args]
 #
 # Environment: ROOT, PYTHON (this package's Python, default python3), JOBS (build jobs, default 2),
-# LLAMA_CPP_PYTHON_VERSION (default 0.3.36).
+# LLAMA_CPP_PYTHON_VERSION (default 0.3.36), CPU_FLAGS (cmake flags of ggml's CPU backend, see below).
 set -euo pipefail
 DRAFTER=${1:?usage: $0 DRAFTER_DIR [check args]}
 shift
@@ -23,10 +23,16 @@ if [ ! -f "$SRC/convert_hf_to_gguf.py" ]; then
     tar xzf "$ROOT/llama_cpp_python-$VERSION.tar.gz" -C "$ROOT"
 fi
 
-# 2. the two tools the check needs (CPU only, native instructions)
+# 2. the two tools the check needs (CPU only). Not GGML_NATIVE: on a CPU that reports AMX but whose OS or sandbox
+# does not grant the AMX tile state, the native build dies with "Illegal instruction" in tinygemm_kernel_amx
+# (seen here on a Xeon with amx_int8 in /proc/cpuinfo); AVX-512 without AMX runs.
+CPU_FLAGS=${CPU_FLAGS:-"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"}
 if [ ! -x "$ROOT/build/bin/llama-speculative-simple" ] || [ ! -x "$ROOT/build/bin/llama-completion" ]; then
+    # shellcheck disable=SC2086
     cmake -S "$SRC" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF $CPU_FLAGS
     nice -n 19 cmake --build "$ROOT/build" --target llama-speculative-simple llama-completion -j"$JOBS"
 fi
 
