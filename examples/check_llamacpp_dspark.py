@@ -150,7 +150,9 @@ def main(argv=None) -> int:
         out, err, _ = run([str(args.bin / "llama-completion"), *common, "-no-cnv", "-p", prompt], 600)
         plain_text = generated(out, question)
         plain_tok_s, plain_tokens = plain_speed(err)
-        spec_cmd = [str(args.bin / "llama-speculative-simple"), *common, "-md", str(args.draft), "-p", prompt]
+        spec_cmd = [str(args.bin / "llama-speculative-simple"), *common, "-p", prompt]
+        if not args.spec_type.startswith("ngram"):  # ngram-*: a drafter-free control of llama.cpp's own numerics
+            spec_cmd += ["-md", str(args.draft)]
         spec_cmd += ["--spec-type", args.spec_type, "--spec-draft-n-max", str(args.draft_max)]
         spec_cmd += ["--spec-draft-p-min", "0"]
         out, err, _ = run(spec_cmd, 600)
