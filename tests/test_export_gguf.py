@@ -81,6 +81,20 @@ def test_runs_the_converter_on_a_speculators_folder(tmp_path, monkeypatch):
     assert not (tmp_path / "x.gguf").exists() and not list(tmp_path.glob(".x.gguf.tmp"))
 
 
+def test_cli_export_gguf(tmp_path):
+    from dspark_hf.cli import main as cli_main
+
+    target = make_target()
+    target.config.architectures = ["LlamaForCausalLM"]
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(99).save_pretrained(tmp_path / "target")
+    exportable(target).save_pretrained(tmp_path / "drafter")
+    argv = ["export", "--format", "gguf", "--drafter", str(tmp_path / "drafter"), "--target", str(tmp_path / "target")]
+    argv += ["--out", str(tmp_path / "d.gguf"), "--llamacpp", str(fake_llamacpp(tmp_path)), "--outtype", "bf16"]
+    assert cli_main(argv) == 0
+    assert (tmp_path / "d.gguf").read_bytes() == b"GGUFbf16"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (LLAMACPP_SRC / "convert_hf_to_gguf.py").is_file() or not CONVERTER_PYTHON.exists(),
@@ -120,7 +134,16 @@ def test_llamacpp_converts_and_runs_the_drafter_losslessly(tmp_path):
         pytest.skip(f"llama.cpp tools not built in {binaries}")
     script = ROOT / "examples" / "check_llamacpp_dspark.py"
     cmd = [sys.executable, str(script), "--bin", str(binaries), "--draft", str(out), "--num-prompts", "2"]
-    cmd += ["--max-new-tokens", "24", "--draft-max", "4", "--prompts", str(tmp_path / "prompts.jsonl")]
+    cmd += [
+        "--max-new-tokens",
+        "24",
+        "--draft-max",
+        "4",
+        "--threads",
+        "1",
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+    ]
     (tmp_path / "prompts.jsonl").write_text(
         '{"turns": ["Name three colours."]}\n{"turns": ["What is 12 times 7? Explain."]}\n'
     )

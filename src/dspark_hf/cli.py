@@ -604,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["deepspec", "speculators", "gguf"], default="deepspec")
     export.add_argument("--drafter", required=True, help="DSpark drafter checkpoint to export")
     export.add_argument("--target", help="its target (path or Hub id; default: embedded SmolLM2-135M-Instruct)")
-    export.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    export.add_argument("--out", required=True, help="output folder, empty or absent (gguf: the .gguf file)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     export.add_argument(
         "--verifier", help="speculators: the target's Hub id or path recorded for vLLM (default: the drafter's target)"
