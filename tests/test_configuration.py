@@ -158,11 +158,22 @@ def test_for_target_llama_like(config_class):
     config = DSparkConfig.for_target(target)
     assert_copies_block_shapes(config, target)
     assert config.hidden_act == target.hidden_act == "silu"
-    assert config.use_qk_norm is False
-    assert config.mask_token_id is None  # a learned mask embedding
+    # exportable by default: the engines' Qwen3 draft layer (QK-norm) and a vocabulary mask token
+    assert config.use_qk_norm is True
+    assert config.mask_token_id == 999  # the last vocabulary id
     assert config.final_logit_softcapping is None
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
     assert config.bos_token_id == target.bos_token_id and config.eos_token_id == target.eos_token_id
+    # opting out keeps the family's own attention and learns a mask embedding
+    native = DSparkConfig.for_target(target, exportable=False)
+    assert native.use_qk_norm is False and native.mask_token_id is None
+    assert DSparkConfig.for_target(target, use_qk_norm=False).mask_token_id == 999  # explicit overrides win
+
+
+def test_exportable_mask_token_skips_special_tokens():
+    target = small_llama(bos_token_id=998, eos_token_id=[999, 5], pad_token_id=997)
+    assert DSparkConfig.for_target(target).mask_token_id == 996
+    assert DSparkConfig.for_target(target, mask_token_id=7).mask_token_id == 7
 
 
 def test_for_target_copies_special_tokens_and_head_dim():
@@ -181,11 +192,12 @@ def test_for_target_qwen3_uses_qk_norm_and_its_mask_token():
     assert config.mask_token_id == 151669
 
 
-def test_for_target_qwen3_small_vocabulary_falls_back_to_a_learned_mask():
-    # The known Qwen3 mask token does not exist in a tiny vocabulary: a learned mask embedding is used instead,
-    # and forcing the token anyway is a clear error.
+def test_for_target_qwen3_small_vocabulary_falls_back_to_another_mask_token():
+    # The known Qwen3 mask token does not exist in a tiny vocabulary: the last vocabulary id is used instead (a
+    # learned mask embedding when not exportable), and forcing the token anyway is a clear error.
     target = Qwen3Config(**SMALL)
-    assert DSparkConfig.for_target(target).mask_token_id is None
+    assert DSparkConfig.for_target(target).mask_token_id == 999
+    assert DSparkConfig.for_target(target, exportable=False).mask_token_id is None
     with pytest.raises(ValueError, match="mask_token_id=151669"):
         DSparkConfig.for_target(target, mask_token_id=151669)
 

@@ -406,9 +406,9 @@ def test_llama_family_drafters_export_as_the_qwen3_layout(tmp_path):
 
 
 def test_export_refuses_drafters_deepspec_cannot_represent(tmp_path):
-    target = make_target()  # Llama: its default drafter has no QK-norm and a learned mask embedding
+    target = make_target()  # Llama: a drafter built with exportable=False has no QK-norm and a learned mask
     with pytest.raises(ValueError, match="QK-norm.*mask embedding.*use_qk_norm=True"):
-        export_deepspec(make_drafter(target), target, tmp_path / "out")
+        export_deepspec(make_drafter(target, use_qk_norm=False, mask_token_id=None), target, tmp_path / "out")
     with pytest.raises(ValueError, match=r"mlp_bias=True"):
         biased = make_drafter(target, use_qk_norm=True, mask_token_id=MASK_TOKEN, mlp_bias=True)
         export_deepspec(biased, target, tmp_path / "out")

@@ -101,12 +101,15 @@ def test_deepseek_drafters_use_the_released_values(name):
     assert config.use_qk_norm
 
 
-def test_small_targets_use_a_learned_mask_and_default_layers():
+def test_small_targets_are_exportable_and_use_default_layers():
     from dspark_hf.configuration_dspark import default_target_layer_ids
+    from dspark_hf.export_common import export_blockers
 
     for name in ("llama-3.1-8b-instruct", "smollm2-135m-instruct", "smollm2-360m-instruct", "smollm2-1.7b-instruct"):
         config = DSparkConfig.from_json_file(str(ROOT / "hub_configs" / f"{name}.json"))
-        assert config.mask_token_id is None
+        # the last vocabulary id as the mask token (Llama 3.1: <|reserved_special_token_247|>), QK-norm
+        assert config.mask_token_id == config.vocab_size - 1 and config.use_qk_norm
+        assert export_blockers(config) == []
         assert config.num_hidden_layers == 2
         assert config.target_layer_ids == default_target_layer_ids(config.num_target_layers)
 

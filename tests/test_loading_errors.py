@@ -89,7 +89,7 @@ def test_garbage_safetensors(saved, tmp_path, garbage):
     [
         "norm.weight",
         "layers.1.self_attn.k_proj.weight",
-        "mask_embedding",
+        "layers.0.self_attn.q_norm.weight",  # exportable by default: QK-norm, a vocabulary mask token
         "markov_head.markov_w2.weight",
         "confidence_head.proj.bias",
     ],

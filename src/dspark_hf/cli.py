@@ -469,7 +469,6 @@ def cmd_data(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .conversion import export_deepspec
     from .modeling_dspark import DSparkDraftModel
 
     _check_model_path(args.drafter, "--drafter", drafter=True)
@@ -477,15 +476,35 @@ def cmd_export(args) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
         raise FileExistsError(f"--out {out} exists and is not an empty folder; pass --overwrite to replace it.")
+    tokenizer = None
     if args.target is None:
         from .default import load_default_target
 
-        target, _ = load_default_target()
+        target, tokenizer = load_default_target()
     else:
         from transformers import AutoModelForCausalLM
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     drafter = DSparkDraftModel.from_pretrained(args.drafter)
+    if args.format == "gguf":
+        from .export_gguf import export_gguf
+
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.target)
+        options = dict(llamacpp_dir=args.llamacpp, outtype=args.outtype, python=args.converter_python)
+        out = export_gguf(drafter, target, tokenizer, args.out, overwrite=args.overwrite, **options)
+        print(f"wrote a llama.cpp GGUF draft model to {out}")
+        return 0
+    if args.format == "speculators":
+        from .export_speculators import export_speculators
+
+        out = export_speculators(drafter, target, args.out, verifier=args.verifier, overwrite=args.overwrite)
+        print(f"wrote a speculators (vLLM) checkpoint to {out}")
+        return 0
+    from .conversion import export_deepspec
+
     out = export_deepspec(drafter, target, args.out, overwrite=args.overwrite)
     print(f"wrote a DeepSpec ({args.format}) checkpoint to {out}")
     return 0
@@ -766,12 +785,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_models(cal)
     cal.set_defaults(func=cmd_calibrate)
 
-    export = sub.add_parser("export", help="write a drafter in another checkpoint format (DeepSpec)")
-    export.add_argument("--format", choices=["deepspec"], default="deepspec")
+    export = sub.add_parser(
+        "export",
+        help="write a drafter in another format (DeepSpec for SGLang, speculators for vLLM, GGUF for llama.cpp)",
+    )
+    export.add_argument("--format", choices=["deepspec", "speculators", "gguf"], default="deepspec")
     export.add_argument("--drafter", required=True, help="DSpark drafter checkpoint to export")
     export.add_argument("--target", help="its target (path or Hub id; default: embedded SmolLM2-135M-Instruct)")
-    export.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    export.add_argument("--out", required=True, help="output folder, empty or absent (gguf: the .gguf file)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    export.add_argument(
+        "--verifier", help="speculators: the target's Hub id or path recorded for vLLM (default: the drafter's target)"
+    )
+    export.add_argument("--llamacpp", help="gguf: llama.cpp source folder (its converter runs; default $LLAMACPP_DIR)")
+    export.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"], help="gguf: tensor type")
+    export.add_argument("--converter-python", help="gguf: Python with llama.cpp's converter requirements")
     export.set_defaults(func=cmd_export)
     for command in sub.choices.values():  # `dspark-hf bench ... --debug` as well as `dspark-hf --debug bench ...`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)

@@ -430,17 +430,6 @@ class DSparkConfig(DrafterConfig):
             )
 
     @classmethod
-    def for_target(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DSparkConfig":
-        """`DrafterConfig.for_target`; with `sequential_head="none"` (the DFlash mode) the confidence head reads h_k
-        alone, so `confidence_with_markov` defaults to False there; `draft_layer="llama"` for a Gemma-4 target also
-        drops its K = V default."""
-        if overrides.get("sequential_head") == "none":
-            overrides.setdefault("confidence_with_markov", False)
-        if overrides.get("draft_layer") == "llama":
-            overrides.setdefault("attention_k_eq_v", False)
-        return super().for_target(target_config, **overrides)
-
-    @classmethod
     def target_defaults(cls, text_config: PreTrainedConfig) -> dict[str, Any]:
         """The family's mask token, when the vocabulary has it (tiny test models of the family may not), and for
         Gemma-4 targets DeepSpec's Gemma-4 draft layer (the released `Gemma4DSparkModel` layout)."""
@@ -451,10 +440,50 @@ class DSparkConfig(DrafterConfig):
             defaults.update(draft_layer="gemma4", attention_k_eq_v=k_eq_v, use_qk_norm=True)
         return defaults
 
+    @classmethod
+    def for_target(cls, target_config: PreTrainedConfig, exportable: bool = True, **overrides: Any) -> "DSparkConfig":
+        """`DrafterConfig.for_target`, by default for a drafter that every export format can carry.
+
+        With `exportable=True` (the default) a drafter for a non-Gemma target gets the engines' Qwen3 draft layer:
+        per-head QK-norm (`use_qk_norm=True`) and a vocabulary mask token (the family's known one, else
+        `default_mask_token_id`), which `dspark-hf export` needs for DeepSpec (SGLang), speculators (vLLM) and
+        GGUF (llama.cpp). `exportable=False` keeps the target family's own attention (QK-norm only where the family
+        has it) and learns a mask embedding where the family has no known mask token. Gemma-family drafters are
+        not exportable either way (see `export_common.export_blockers`). Explicit `overrides` always win. With
+        `sequential_head="none"` (the DFlash mode) the confidence head reads h_k alone, so `confidence_with_markov`
+        defaults to False there; `draft_layer="llama"` for a Gemma-4 target also drops its K = V default.
+        """
+        if overrides.get("sequential_head") == "none":
+            overrides.setdefault("confidence_with_markov", False)
+        if overrides.get("draft_layer") == "llama":
+            overrides.setdefault("attention_k_eq_v", False)
+        if exportable and isinstance(target_config, PreTrainedConfig):
+            text = target_config.get_text_config(decoder=True)
+            if not text.model_type.startswith("gemma") and getattr(text, "final_logit_softcapping", None) is None:
+                defaults: dict[str, Any] = {"use_qk_norm": True}
+                if cls.target_defaults(text)["mask_token_id"] is None:
+                    defaults["mask_token_id"] = default_mask_token_id(text)
+                overrides = {**defaults, **overrides}
+        return super().for_target(target_config, **overrides)
+
+
+def default_mask_token_id(text_config: PreTrainedConfig) -> int:
+    """The mask token of an exportable drafter whose target family has none: the last vocabulary id that is not the
+    bos/eos/pad token (an unused padding row or reserved token in many vocabularies, else a rare late BPE merge)."""
+    special = set()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(text_config, name, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])
+    token = text_config.vocab_size - 1
+    while token in special:
+        token -= 1
+    return token
+
 
 __all__ = [
     "DSparkConfig",
     "DrafterConfig",
+    "default_mask_token_id",
     "default_target_layer_ids",
     "full_attention_value",
     "tokenizer_hashes",

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Build llama.cpp's tools from the llama-cpp-python sdist (which vendors llama.cpp), export a DSpark drafter to GGUF
+# with llama.cpp's own converter, and check it beside the SmolLM2 target GGUF (examples/check_llamacpp_dspark.py).
+# Never part of CI; everything lands under $ROOT (default /work/envs/llamacpp), nothing in the repository.
+#
+#   examples/llamacpp_dspark.sh DRAFTER_DIR [extra check_llamacpp_dspark.py args]
+#
+# Environment: ROOT, PYTHON (this package's Python, default python3), JOBS (build jobs, default 2),
+# LLAMA_CPP_PYTHON_VERSION (default 0.3.36), CPU_FLAGS (cmake flags of ggml's CPU backend, see below).
+set -euo pipefail
+DRAFTER=${1:?usage: $0 DRAFTER_DIR [check args]}
+shift
+ROOT=${ROOT:-/work/envs/llamacpp}
+PYTHON=${PYTHON:-python3}
+JOBS=${JOBS:-2}
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+SRC=$ROOT/llama_cpp_python-$VERSION/vendor/llama.cpp
+mkdir -p "$ROOT"
+
+# 1. llama.cpp source, as the registry ships it inside the llama-cpp-python sdist
+if [ ! -f "$SRC/convert_hf_to_gguf.py" ]; then
+    "$PYTHON" -m pip download --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$ROOT"
+    tar xzf "$ROOT/llama_cpp_python-$VERSION.tar.gz" -C "$ROOT"
+fi
+
+# 2. the two tools the check needs (CPU only). Not GGML_NATIVE: on a CPU that reports AMX but whose OS or sandbox
+# does not grant the AMX tile state, the native build dies with "Illegal instruction" in tinygemm_kernel_amx
+# (seen here on a Xeon with amx_int8 in /proc/cpuinfo); AVX-512 without AMX runs.
+CPU_FLAGS=${CPU_FLAGS:-"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"}
+if [ ! -x "$ROOT/build/bin/llama-speculative-simple" ] || [ ! -x "$ROOT/build/bin/llama-completion" ]; then
+    # shellcheck disable=SC2086
+    cmake -S "$SRC" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF $CPU_FLAGS
+    nice -n 19 cmake --build "$ROOT/build" --target llama-speculative-simple llama-completion -j"$JOBS"
+fi
+
+# 3. a Python for llama.cpp's converter (its requirements pin an older transformers than dspark-hf's)
+if [ ! -x "$ROOT/venv/bin/python" ]; then
+    python3 -m venv "$ROOT/venv"
+    "$ROOT/venv/bin/pip" install torch==2.13.0 "numpy<2.5" "sentencepiece<0.3" "transformers<=5.19.0" \
+        safetensors "protobuf<5" pyyaml tqdm requests
+fi
+
+# 4. export through llama.cpp's converter, then compare llama.cpp + drafter with llama.cpp plain greedy
+"$PYTHON" -m dspark_hf.cli export --format gguf --drafter "$DRAFTER" --out "$ROOT/draft.gguf" --overwrite \
+    --llamacpp "$SRC" --converter-python "$ROOT/venv/bin/python" --outtype f32
+"$PYTHON" "$(dirname "$0")/check_llamacpp_dspark.py" --bin "$ROOT/build/bin" --draft "$ROOT/draft.gguf" "$@"
