@@ -130,15 +130,16 @@ def test_survival_probabilities_apply_sts_temperatures():
 
 
 class _StopAfter:
-    """A policy that can stop sampling early and is settled once `limit` positions were sampled."""
+    """A policy that can stop sampling early and verifies `limit` drafts, settled once it has seen position
+    `limit + 1`'s confidence."""
 
     stops_early = True
 
     def __init__(self, limit):
         self.limit = limit
 
-    def settled(self, conditional, caps):
-        return len(conditional[0]) >= self.limit
+    def settled_width(self, conditional, caps):
+        return self.limit if len(conditional[0]) > self.limit else None
 
 
 @torch.no_grad()
@@ -165,7 +166,8 @@ def test_block_sampling_returns_processed_biased_logits(target, drafter, do_samp
 def test_block_sampling_stops_where_the_policy_is_settled(target, drafter):
     hidden, ids = torch.randn(1, 4, 32), torch.randint(0, 99, (1, 3))
     draft = sample_block(drafter, target, hidden, ids, policy=_StopAfter(2))
-    assert len(draft.conditional[0]) == 2 and draft.tokens[0, 2:].tolist() == [0, 0]  # positions 3, 4 never sampled
+    # position 3's confidence was examined, its token never sampled (nor position 4's)
+    assert len(draft.conditional[0]) == 3 and draft.tokens[0, 2:].tolist() == [0, 0]
 
 
 @torch.no_grad()

@@ -124,9 +124,9 @@ class DSparkCandidateGenerator(_Generator):
 
         hidden (B, γ, d). For k = 1..K: the confidence c_k from [h_k; x_{k-1}] (before x_k exists), then x_k from
         processors(U_k + B_k(x_{k-1})): argmax, or a draw. Row r examines `caps[r]` positions. With `early`, a policy
-        that can stop early stops sampling once the positions seen settle every row's verify length: under load
-        Algorithm 1 often verifies 0-1 drafts per row, and the rest of the block would be sampled for nothing (this
-        reads each position's confidences back: one host sync per position).
+        that can stop early stops before sampling position k once the survivals seen (c_k included) settle every
+        row's verify length short of it: under load Algorithm 1 often verifies 0-1 drafts per row, and the rest of
+        the block would be sampled for nothing (this reads each position's confidences back: one host sync each).
         """
         steps = max(caps)
         prev = torch.tensor([[row.seq[-1]] for row in rows], device=hidden.device)  # (B, 1): the anchors
@@ -141,12 +141,17 @@ class DSparkCandidateGenerator(_Generator):
         logits_out = base.new_zeros(len(rows), steps, base.shape[-1]) if sampling else None
         seen, state = [], None  # seen[k]: (B,) conditional confidences of position k + 1
         for k in range(steps):
-            if k == base.shape[1]:
-                base = torch.cat([base, self.drafter.draft_base_logits(hidden[:, k:steps], self.lm_head)], dim=1)
             h_k = hidden[:, k : k + 1]
             conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1), or None without a confidence head
             if conf is not None:
-                seen.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))  # STS-calibrated c_k
+                seen.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))  # STS-calibrated c_k, before x_k
+                if early:
+                    seen[-1] = seen[-1].tolist()
+                    width = policy.settled_width(_by_row(seen, len(rows)), caps)
+                    if width is not None and width <= k:
+                        break  # the survivals seen decide every row's length, and none verifies position k + 1
+            if k == base.shape[1]:
+                base = torch.cat([base, self.drafter.draft_base_logits(hidden[:, k:steps], self.lm_head)], dim=1)
             bias, next_state = self.drafter.draft_sequential_bias(prev, h_k, state)
             logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]  # (B, V)
             logits = process_logits(rows, logits[:, None], tokens, first=k)[:, 0]
@@ -156,10 +161,6 @@ class DSparkCandidateGenerator(_Generator):
             if logits_out is not None:
                 logits_out[:, k] = logits
             prev = tokens[:, k : k + 1]
-            if early and conf is not None and k + 1 < steps:
-                seen[-1] = seen[-1].tolist()
-                if policy.settled(_by_row(seen, len(rows)), caps):
-                    break  # no later position can be verified: the rest of the block is not sampled
         seen = [c if isinstance(c, list) else c.tolist() for c in seen] if early else _read_back(seen)
         conditional = [c[:cap] for c, cap in zip(_by_row(seen, len(rows)), caps)]
         return Drafts(tokens.to(self.target_device), logits_out, list(caps), conditional)

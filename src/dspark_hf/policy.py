@@ -107,6 +107,12 @@ class VerifyPolicy:
             return settled_prefix_schedule(rows, self.sps, bound, max_tokens=len(caps) + sum(caps)) is not None
         return False
 
+    def settled_width(self, conditional: Sequence[Sequence[float]], caps: Sequence[int]) -> int | None:
+        """The most drafts any row will verify, once the positions seen settle every row's length; else None."""
+        if not self.settled(conditional, caps):
+            return None
+        return max(self.lengths(conditional, caps), default=0)
+
     def lengths(self, conditional: Sequence[Sequence[float]], caps: Sequence[int]) -> list[int]:
         """Drafts each row verifies, ℓ_r <= min(cap_r, positions sampled).
 

@@ -135,14 +135,16 @@ def settled_prefix_schedule(
     batch, expected = n_requests, float(n_requests)  # every request verifies its anchor and gains a bonus token
     best_theta = expected * lookup(batch)
     for survival, r, j in candidates:
-        if survival <= unseen_bound:
-            return None  # an unseen candidate may come before this one
-        lengths[r], batch, expected = j, batch + 1, expected + survival
-        theta = expected * lookup(batch)
-        if theta > best_theta:
-            best_theta, best = theta, list(lengths)
-        else:
+        theta = (expected + survival) * lookup(batch + 1)
+        improves = theta > best_theta
+        # An unseen candidate has survival <= unseen_bound. One above this candidate could come first; one equal
+        # to it could come first and be admitted in its place, but would stop the greedy just as this one does.
+        if survival < unseen_bound or (survival == unseen_bound and improves):
+            return None
+        if not improves:
             return best  # early stop: required for losslessness
+        lengths[r], batch, expected = j, batch + 1, expected + survival
+        best_theta, best = theta, list(lengths)
     return best if unseen_bound <= 0 else None
 
 

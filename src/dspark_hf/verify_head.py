@@ -107,14 +107,15 @@ def verify_kernels(model, linears: list[nn.Linear] | None = None):
         return
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swapped = [m for m in (eligible_linears(model) if linears is None else linears) if type(m) is nn.Linear]
+    # object.__setattr__: nn.Module.__setattr__'s parameter/buffer checks cost ~2 ms a verify for 200 linears
     for module in swapped:
-        module.__class__ = VerifyHead if module is head else VerifyLinear
+        object.__setattr__(module, "__class__", VerifyHead if module is head else VerifyLinear)
     try:
         with routed(model):
             yield
     finally:
         for module in swapped:
-            module.__class__ = nn.Linear
+            object.__setattr__(module, "__class__", nn.Linear)
 
 
 def _pad_step(kwargs: dict) -> bool:
