@@ -164,10 +164,9 @@ def test_drafter_for_another_depth(drafter):
 def test_drafter_for_another_vocabulary(drafter):
     other = make_target(vocab_size=101)
     ids = torch.randint(0, 99, (1, 5))
-    # transformers compares vocabulary sizes before any candidate generator is built
-    with pytest.raises(ValueError, match="tokenizer|vocab"):
+    # the pairing check runs before transformers' own checks (which would talk of universal assisted decoding)
+    with pytest.raises(ValueError, match="vocab_size: drafter expects 99, target has 101"):
         greedy_assisted(other, drafter, ids)
-    # with both tokenizers given, transformers lets it through, and DSpark's fingerprint check refuses
     with pytest.raises(ValueError, match="vocab_size: drafter expects 99, target has 101"):
         greedy_assisted(other, drafter, ids, tokenizer=char_tokenizer(101), assistant_tokenizer=char_tokenizer(99))
 
@@ -176,11 +175,6 @@ def test_matching_drafter_generates(target, drafter):
     # the counterpart of the errors above: the right pairing works and is lossless
     ids = torch.randint(0, 99, (1, 5))
     assert torch.equal(greedy_assisted(target, drafter, ids), target.generate(ids, max_new_tokens=5, do_sample=False))
-
-
-def test_batch_of_two_is_refused(target, drafter):
-    with pytest.raises(ValueError, match="batch of 2"):
-        greedy_assisted(target, drafter, torch.randint(0, 99, (2, 5)))
 
 
 @pytest.mark.parametrize("layer_ids", [[0, 3], [0, 4], [0, 7], [-1, 1]])

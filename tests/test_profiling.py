@@ -1,6 +1,5 @@
 """The profiler behind verify_policy="scheduler": profiles, files, lookup next to the checkpoint, generate()."""
 
-import functools
 import importlib.util
 import json
 
@@ -178,9 +177,9 @@ def test_draft_gate_in_generate(target, monkeypatch, draft_seconds):
     """generate() with the draft gate: a draft pass priced at 1 s against 10 ms verifies leaves only the first
     draft and the probes; free drafts are never skipped; the features of skipped rounds reach the next draft
     (the generator checks the context count every round) and the output is plain greedy's either way."""
-    from dspark_hf import candidate_generator
+    from dspark_hf import policy
 
-    monkeypatch.setattr(candidate_generator, "DraftGate", functools.partial(DraftGate, draft_seconds=draft_seconds))
+    monkeypatch.setattr(policy, "DraftGate", lambda sps, _seconds=None: DraftGate(sps, draft_seconds=draft_seconds))
     drafter = make_drafter(target, verify_policy="scheduler")
     drafter.sps_profile = {b: 100.0 for b in range(1, 10)}
     ids = torch.randint(0, 99, (1, 5))

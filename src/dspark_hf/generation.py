@@ -286,6 +286,8 @@ def _routed_kwargs(model, kwargs: dict) -> dict:
     form."""
     kwargs = dict(kwargs)
     drafter = kwargs.pop("assistant_model")
+    tokenizer = kwargs.pop("tokenizer", None)
+    drafter.config.check_target(model.config, tokenizer)  # before transformers' own checks, with our message
     if kwargs.get("custom_generate") is not None:
         raise ValueError("Pass either a DSpark `assistant_model` or `custom_generate`, not both.")
     if kwargs.pop("assistant_tokenizer", None) is not None:
@@ -293,8 +295,6 @@ def _routed_kwargs(model, kwargs: dict) -> dict:
             "A DSpark drafter shares the target's tokenizer; `assistant_tokenizer` (universal assisted decoding) "
             "does not apply. Drop it."
         )
-    tokenizer = kwargs.pop("tokenizer", None)
-    drafter.config.check_target(model.config, tokenizer)  # before transformers' own checks, with our message
     kwargs.update(custom_generate=speculative_generate, drafter=drafter, target_tokenizer=tokenizer)
     kwargs["token_streamer"] = kwargs.pop("streamer", None)
     config = kwargs.get("generation_config")
