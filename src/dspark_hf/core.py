@@ -190,10 +190,11 @@ class SpeculativeDecoder:
 
     def _drafting_pays(self) -> bool:
         """Whether to draft this round: always with a drafter, unless the draft gate finds a plain step cheaper."""
-        if self.candidates is None:
+        caps = self._caps()
+        if self.candidates is None or max(caps) == 0:  # no row may take a draft: a plain step, not a gated one
             return False
         gate = self.policy.gate
-        if gate is None or gate.should_draft([row.hint for row in self.rows], self._caps()):
+        if gate is None or gate.should_draft([row.hint for row in self.rows], caps):
             return True
         self.counts["gated_rounds"] += 1
         for row in self.rows:
