@@ -50,8 +50,6 @@ DSpark draft architectures vLLM registers for this format):
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +59,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
 from .configuration_dspark import _GEMMA4_FAMILIES, DSparkConfig
+from .export_common import write_folder
 from .loading import check_checkpoint_files, read_config_file
 from .modeling_dspark import DSparkDraftModel
 
@@ -530,7 +529,7 @@ def export_deepspec(
             "Qwen3DSparkModel implements only the vanilla Markov head (`sequential_head='markov'`)."
         )
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # before any conversion work
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it.")
     dtype = drafter.dtype
     state_dict = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
@@ -540,19 +539,13 @@ def export_deepspec(
     for key, module in borrowed:
         # clone: a tied target shares one tensor between both, which safetensors refuses to store twice
         state_dict[key] = module.weight.detach().to(device="cpu", dtype=dtype).clone().contiguous()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        save_file(state_dict, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = deepspec_config_dict(drafter, target, num_anchors)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    config = deepspec_config_dict(drafter, target, num_anchors)
+
+    def write(folder: Path) -> None:
+        save_file(state_dict, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    return write_folder(out_dir, overwrite, write)
 
 
 __all__ = [

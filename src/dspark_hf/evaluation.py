@@ -72,8 +72,7 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **generation_kwargs(temperature))
     if own:  # one of transformers' assistants: its last round's acceptance shows only in the output's length
-        last = own[-1]
-        last.accepted = max(0, min(last.proposed, ids.shape[1] + out.numel() - last.start_length - 1))
+        own[-1].accepted = max(0, min(own[-1].proposed, ids.shape[1] + out.numel() - own.input_lengths[-1] - 1))
         rounds = own
     stats = None
     if assistant is not None:
@@ -83,12 +82,20 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     return out.cpu(), seconds, stats, list(rounds)
 
 
+class _AssistantRounds(list):
+    """`DraftRound`s, and the input length of each round's `generate()` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_lengths: list[int] = []
+
+
 @contextlib.contextmanager
 def observe_assistant(assistant):
     """Time the drafting rounds of one of transformers' own assistants (not this package's drafters): each round is
     one call of its public `generate()`, wrapped on the instance for the block and restored after. A round's
     acceptance is read from the next round's input length (the target commits the accepted drafts and one token)."""
-    rounds: list[DraftRound] = []
+    rounds = _AssistantRounds()
     if assistant is None or is_drafter(assistant) or not hasattr(assistant, "generate"):
         yield rounds
         return
@@ -98,15 +105,14 @@ def observe_assistant(assistant):
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         length = ids.shape[1]
         if rounds:
-            rounds[-1].accepted = max(0, min(rounds[-1].proposed, length - rounds[-1].start_length - 1))
+            rounds[-1].accepted = max(0, min(rounds[-1].proposed, length - rounds.input_lengths[-1] - 1))
         _sync(ids)
         start = time.perf_counter()
         out = inner(*args, **kwargs)
         sequences = getattr(out, "sequences", out)
         _sync(sequences)
-        record = DraftRound(start, time.perf_counter() - start, sequences.shape[1] - length, first=not rounds)
-        record.start_length = length
-        rounds.append(record)
+        rounds.append(DraftRound(start, time.perf_counter() - start, sequences.shape[1] - length, first=not rounds))
+        rounds.input_lengths.append(length)
         return out
 
     assistant.generate = timed
