@@ -14,7 +14,7 @@ import time
 import torch
 
 from dspark_hf import load_default
-from dspark_hf.bench import read_prompts
+from dspark_hf.utils.prompts import read_prompts
 
 
 def batches(tokenizer, records, size):

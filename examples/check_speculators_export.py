@@ -145,7 +145,7 @@ def write_cases(root: Path) -> list[str]:
     import torch
     from safetensors.torch import save_file
 
-    from dspark_hf.export_speculators import export_speculators
+    from dspark_hf.integrations.speculators import export_speculators
 
     names = []
     for name, family, overrides, draft_vocab in CASES:

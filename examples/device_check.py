@@ -23,7 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dspark_hf import DSparkConfig, DSparkDraftModel
-from dspark_hf.candidate_generator import DSparkCandidateGenerator
+from dspark_hf.decoding.drafting import DSparkCandidateGenerator
 
 
 def sync(device):

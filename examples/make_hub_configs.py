@@ -29,7 +29,7 @@ from transformers import Gemma4UnifiedConfig, LlamaConfig, Qwen3Config
 from transformers.utils import logging
 
 from dspark_hf import DSparkConfig
-from dspark_hf.configuration_dspark import default_target_layer_ids
+from dspark_hf.models.configuration_dspark import default_target_layer_ids
 
 
 HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"

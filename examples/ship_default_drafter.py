@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf.evaluation import model_card_results
-from dspark_hf.hub import save_for_hub
+from dspark_hf.evaluation.harness import model_card_results
+from dspark_hf.integrations.hub import save_for_hub
 from dspark_hf.training.dataset import TokenDataset
 from dspark_hf.training.step import special_token_ids, vocab_shortlist
 

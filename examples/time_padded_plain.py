@@ -3,8 +3,8 @@
     python examples/time_padded_plain.py [MAX_NEW_TOKENS]
 
 On a 2-core CPU, torch's one-row product (MKL's matrix-vector path) barely uses the second core, while a 2-row
-product written as (W xᵀ)ᵀ uses both (`dspark_hf.verify_head`). So a 2-token verify forward can cost less than a
-1-token plain step. This script decodes greedily with `generate()` in two ways, alternating on the same prompts:
+product written as (W xᵀ)ᵀ uses both (`dspark_hf.kernels.verify_head`). So a 2-token verify forward can cost less
+than a 1-token plain step. This script decodes greedily with `generate()` in two ways, alternating on the same prompts:
 - plain: one row per step, as `generate()` runs it;
 - padded: inside `verify_head.padded_steps(target)`, each step feeds the new token plus a junk copy with the
   few-rows products on, keeps the first row's logits and crops the junk position from the cache again.
@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from dspark_hf import verify_head
-from dspark_hf.bench import encode, timed_generate
 from dspark_hf.default import load_default_target
+from dspark_hf.evaluation.harness import timed_generate
+from dspark_hf.kernels import verify_head
+from dspark_hf.utils.prompts import encode
 
 
 PROMPTS = [

@@ -1,6 +1,6 @@
-"""Time the target's verify forward with and without the few-rows products (`dspark_hf.verify_head`) and the
-grouped-query attention on the unrepeated cache (`dspark_hf.verify_attention`) on the embedded SmolLM2 target, side
-by side (median of 15 rounds, each round visiting every case once).
+"""Time the target's verify forward with and without the few-rows products (`dspark_hf.kernels.verify_head`) and the
+grouped-query attention on the unrepeated cache (`dspark_hf.kernels.verify_attention`) on the embedded SmolLM2
+target, side by side (median of 15 rounds, each round visiting every case once).
 
     python examples/time_verify_head.py
 
@@ -16,8 +16,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dspark_hf import verify_attention, verify_head
 from dspark_hf.default import load_default_target
+from dspark_hf.kernels import verify_attention, verify_head
 
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)

@@ -6,9 +6,9 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dspark_hf.candidate_generator import DSparkCandidateGenerator
-from dspark_hf.policy import VerifyPolicy
-from dspark_hf.rows import Row
+from dspark_hf.decoding.drafting import DSparkCandidateGenerator
+from dspark_hf.decoding.policy import VerifyPolicy
+from dspark_hf.decoding.rows import Row
 
 
 _PINNED = weakref.WeakKeyDictionary()  # drafter -> the rows being drafted for, while `propose` runs

@@ -22,7 +22,7 @@ def no_models(monkeypatch):
     import transformers
 
     import dspark_hf.default
-    from dspark_hf.modeling_dspark import DSparkDraftModel
+    from dspark_hf.models.modeling_dspark import DSparkDraftModel
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was noticed")

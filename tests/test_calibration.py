@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from dspark_hf import calibration
-from dspark_hf.calibration import (
+from dspark_hf.training import calibration
+from dspark_hf.training.calibration import (
     auroc,
     calibration_report,
     collect_confidence,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from dspark_hf import packed_linear
-from dspark_hf.bench import read_prompts
 from dspark_hf.cli import main
+from dspark_hf.kernels import packed_linear
+from dspark_hf.utils.prompts import read_prompts
 from helpers import char_tokenizer, pin_drafter
 
 

@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from dspark_hf import DSparkConfig
-from dspark_hf.configuration_dspark import default_target_layer_ids
+from dspark_hf.models.configuration_dspark import default_target_layer_ids
 
 
 # Small, deliberately uneven target shapes shared by every family below (configs only: no weights are built).

@@ -24,7 +24,7 @@ from transformers import (
 from conftest import make_drafter, make_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main as cli_main
-from dspark_hf.conversion import (
+from dspark_hf.integrations.deepspec import (
     convert_deepspec_state_dict,
     dspark_config_from_deepspec,
     export_deepspec,
@@ -424,7 +424,7 @@ def test_export_refuses_drafters_deepspec_cannot_represent(tmp_path):
 
 def test_export_warns_that_vllm_has_only_the_vanilla_markov_head(tmp_path, caplog):
     target = make_qwen3_target()
-    with caplog.at_level("WARNING", logger="dspark_hf.conversion"):
+    with caplog.at_level("WARNING", logger="dspark_hf.integrations.deepspec"):
         export_deepspec(make_drafter(target, mask_token_id=MASK_TOKEN), target, tmp_path / "markov")
         assert "vLLM" not in caplog.text
         export_deepspec(make_drafter(target, sequential_head="rnn", mask_token_id=MASK_TOKEN), target, tmp_path / "r")

@@ -9,9 +9,10 @@ import json
 import pytest
 from safetensors import safe_open
 
-from dspark_hf import DSparkConfig, verify_head
+from dspark_hf import DSparkConfig
+from dspark_hf.decoding.profiling import load_profile, sps_table
 from dspark_hf.default import DEFAULT_DRAFTER_DIR
-from dspark_hf.profiling import load_profile, sps_table
+from dspark_hf.kernels import verify_head
 
 
 CONFIG = DSparkConfig.from_pretrained(DEFAULT_DRAFTER_DIR)

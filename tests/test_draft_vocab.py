@@ -6,8 +6,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from conftest import make_drafter
 from dspark_hf import DSparkDraftModel
-from dspark_hf.engine import Engine
-from dspark_hf.utils import kept_copies
+from dspark_hf.kernels.few_rows import kept_copies
+from dspark_hf.serving.engine import Engine
 from helpers import sample_block
 
 

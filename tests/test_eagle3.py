@@ -10,7 +10,7 @@ from transformers import AutoModel, DynamicCache
 
 from conftest import make_target
 from dspark_hf import Eagle3Config, Eagle3DraftModel
-from dspark_hf.stats import record_draft_rounds
+from dspark_hf.decoding.stats import record_draft_rounds
 from dspark_hf.training.config import DSparkTrainingConfig
 from dspark_hf.training.data import make_blocks
 from dspark_hf.training.dataset import TokenDataset

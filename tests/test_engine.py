@@ -17,8 +17,8 @@ from transformers import (
 
 from conftest import make_drafter, make_target
 from dspark_hf import Engine
-from dspark_hf.acceptance import accept_greedy, accept_speculative_sampling
-from dspark_hf.ragged_cache import RaggedCache
+from dspark_hf.decoding.acceptance import accept_greedy, accept_speculative_sampling
+from dspark_hf.decoding.ragged_cache import RaggedCache
 
 
 POLICIES = ["plain", "fixed", "threshold", "scheduler"]
@@ -537,13 +537,13 @@ def test_negative_control_accepting_every_draft_is_detected(monkeypatch):
     """An engine that skips the rejection test must fail the same chi-square test."""
     from test_sampling import chi_square_rejects
 
-    import dspark_hf.engine
+    import dspark_hf.serving.engine
 
     def accept_all(target_probs, draft_probs, draft_ids, generator=None):
         n = draft_ids.shape[0]
         return n, int(torch.multinomial(target_probs[n], 1, generator=generator))
 
-    monkeypatch.setattr(dspark_hf.engine, "accept_speculative_sampling", accept_all)
+    monkeypatch.setattr(dspark_hf.serving.engine, "accept_speculative_sampling", accept_all)
     samples, probs, _ = sample_groups("fixed", 1500)
     rejects, stat, critical = chi_square_rejects(samples[0], probs[0])
     assert rejects, f"the test failed to notice unverified drafts (chi2 {stat:.1f} <= {critical:.1f})"
@@ -621,7 +621,7 @@ def test_ragged_cache_emptied_by_trim_keeps_its_batch_axis():
 
 
 def test_short_sps_profile_is_extended():
-    from dspark_hf.policy import covering_sps as _covering_sps
+    from dspark_hf.decoding.policy import covering_sps as _covering_sps
 
     table = {b: 50.0 for b in range(1, 6)}
     sps = _covering_sps(table, 40)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from dspark_hf import evaluation
-from dspark_hf.bench import encode
 from dspark_hf.cli import main
-from dspark_hf.evaluation import (
+from dspark_hf.decoding.stats import record_draft_rounds
+from dspark_hf.evaluation import harness as evaluation
+from dspark_hf.evaluation.harness import (
     fixed_draft_length,
     format_evaluation,
     model_card_results,
@@ -19,8 +19,8 @@ from dspark_hf.evaluation import (
     run_evaluation,
     stats_from_rounds,
 )
-from dspark_hf.hub import model_card
-from dspark_hf.stats import record_draft_rounds
+from dspark_hf.integrations.hub import model_card
+from dspark_hf.utils.prompts import encode
 from helpers import char_tokenizer, pin_drafter
 
 

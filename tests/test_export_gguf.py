@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_drafter, make_target
-from dspark_hf.export_gguf import export_gguf
+from dspark_hf.integrations.gguf import export_gguf
 from helpers import char_tokenizer
 
 

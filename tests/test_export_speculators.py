@@ -14,7 +14,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from conftest import make_drafter, make_target
 from dspark_hf.cli import main as cli_main
-from dspark_hf.export_speculators import export_speculators
+from dspark_hf.integrations.speculators import export_speculators
 
 
 MASK_TOKEN = 5

@@ -21,8 +21,8 @@ from transformers.cache_utils import DynamicCache
 from conftest import make_drafter
 from dspark_hf import DSparkConfig, DSparkDraftModel
 from dspark_hf.cli import main as cli_main
-from dspark_hf.conversion import convert_deepspec_state_dict, dspark_config_from_deepspec, export_deepspec
-from dspark_hf.modeling_dspark_gemma4 import DSparkGemma4DecoderLayer
+from dspark_hf.integrations.deepspec import convert_deepspec_state_dict, dspark_config_from_deepspec, export_deepspec
+from dspark_hf.models.modeling_dspark_gemma4 import DSparkGemma4DecoderLayer
 from helpers import sample_block
 
 
@@ -486,7 +486,7 @@ def test_dspark_hf_train_trains_the_gemma4_layout_and_it_exports(tmp_path):
 
 
 def test_model_card_names_the_layout():
-    from dspark_hf.hub import model_card
+    from dspark_hf.integrations.hub import model_card
 
     card = model_card(make_drafter(make_gemma4_target()).config)
     assert "`Gemma4DSparkModel` layout, head 16, shared K = V" in card and "dspark_gemma4_12b_block7" in card

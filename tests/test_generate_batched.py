@@ -6,9 +6,9 @@ from transformers import pipeline
 
 from conftest import make_drafter, make_target
 from dspark_hf import speculative_generate
-from dspark_hf.core import SpeculativeDecoder
-from dspark_hf.policy import VerifyPolicy
-from dspark_hf.rows import Row
+from dspark_hf.decoding.core import SpeculativeDecoder
+from dspark_hf.decoding.policy import VerifyPolicy
+from dspark_hf.decoding.rows import Row
 from helpers import char_tokenizer, pin_drafter
 
 

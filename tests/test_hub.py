@@ -12,8 +12,8 @@ import torch
 
 from conftest import make_drafter, make_target
 from dspark_hf import DSparkDraftModel
-from dspark_hf.conversion import export_deepspec
-from dspark_hf.hub import model_card, push_to_hub, save_for_hub
+from dspark_hf.integrations.deepspec import export_deepspec
+from dspark_hf.integrations.hub import model_card, push_to_hub, save_for_hub
 
 
 BLOCK_DSPARK = textwrap.dedent(
@@ -120,7 +120,7 @@ def test_save_for_hub_writes_a_complete_folder(tmp_path, target):
         "README.md",
         "sps_profile.json",
         "custom_generate/generate.py",
-        "custom_generate/candidate_generator.py",
+        "custom_generate/drafting.py",
         "custom_generate/requirements.txt",
     ):
         assert expected in names, expected
@@ -267,7 +267,7 @@ def test_pairing_check_at_load_and_generate_with_tokenizer_hashes(tmp_path, targ
     ):
         logging.Logger.warning_once.cache_clear()  # transformers' warning_once would hide a repeated warning
         caplog.clear()
-        with caplog.at_level("WARNING", logger="dspark_hf.configuration_dspark"):
+        with caplog.at_level("WARNING", logger="dspark_hf.models.configuration_dspark"):
             load_or_generate()
         assert "chat template differs" in caplog.text
     assert torch.equal(

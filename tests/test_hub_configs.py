@@ -102,8 +102,8 @@ def test_deepseek_drafters_use_the_released_values(name):
 
 
 def test_small_targets_are_exportable_and_use_default_layers():
-    from dspark_hf.configuration_dspark import default_target_layer_ids
-    from dspark_hf.export_common import export_blockers
+    from dspark_hf.integrations.export import export_blockers
+    from dspark_hf.models.configuration_dspark import default_target_layer_ids
 
     for name in ("llama-3.1-8b-instruct", "smollm2-135m-instruct", "smollm2-360m-instruct", "smollm2-1.7b-instruct"):
         config = DSparkConfig.from_json_file(str(ROOT / "hub_configs" / f"{name}.json"))

@@ -8,45 +8,46 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dspark_hf"
 
-# lowest first; a module may import its own layer and the layers below it
+# lowest first; a module may import its own layer and the layers below it (the subpackages of src/dspark_hf/)
 LAYERS = [
-    ("utilities and CPU kernels", ["utils", "compat", "loading", "stats", "acceptance", "scheduler", "ragged_cache",
-                                   "packed_linear", "verify_attention", "verify_head"]),
-    ("configs", ["configuration_dspark", "configuration_eagle3"]),
-    ("models (pure nn)", ["heads", "modeling_dspark_layers", "modeling_dspark_gemma4", "modeling_dspark",
-                          "modeling_eagle3"]),
-    ("other projects' checkpoint formats", ["conversion", "export_*"]),
-    ("the decode round", ["rows", "profiling", "policy", "candidate_generator", "core"]),
-    ("drivers", ["generation", "request", "engine"]),
-    ("integration", ["registration", "hub", "default", "__init__"]),
-    ("training", ["calibration", "training", "training.*"]),
-    ("evaluation and serving", ["bench", "evaluation", "evaluation_plots", "simulator", "openai_protocol", "serving",
-                                "load_bench"]),
+    ("utils: files, prompt records, checkpoint checks, transformers' private API", ["utils", "utils.*"]),
+    ("kernels: CPU products for drafting and verifying", ["kernels", "kernels.*"]),
+    ("models: configs and drafters, pure nn", ["models", "models.*"]),
+    ("decoding: the speculative round", ["decoding", "decoding.*"]),
+    ("integrations: transformers, the Hub, other projects' formats", ["integrations", "integrations.*"]),
+    ("serving: Engine, OpenAI protocol, HTTP server", ["serving", "serving.*"]),
+    ("the package: public API and the shipped drafter", ["__init__", "default"]),
+    ("training", ["training", "training.*"]),
+    ("evaluation", ["evaluation", "evaluation.*"]),
     ("command line", ["cli"]),
-]  # fmt: skip
+]
 
 # Loaded as remote code (`trust_remote_code=True`, no package installed), a drafter's modeling file routes
 # generate() itself; imported as part of the package it does nothing (see the bottom of modeling_dspark.py).
-ALLOWED_UPWARD = {("modeling_dspark", "generation"), ("modeling_eagle3", "generation")}
+ALLOWED_UPWARD = {
+    ("models.modeling_dspark", "integrations.generation"),
+    ("models.modeling_eagle3", "integrations.generation"),
+}
 
 
 def import_graph() -> dict[str, set[str]]:
+    """{module: the package modules it imports}, dotted below `dspark_hf` (a package's own name for its __init__)."""
     graph = {}
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
         is_package = parts[-1] == "__init__"
         name = ".".join(parts[:-1] if is_package and len(parts) > 1 else parts)
-        package = parts[:-1]
+        package = parts if is_package and len(parts) > 1 else parts[:-1]
         deps = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package[: len(package) - (node.level - 1)]
-                if node.module:
-                    deps.add(".".join([*base, node.module]))
-                else:
-                    deps.update(".".join([*base, alias.name]) for alias in node.names)
+                source = ".".join([*base, node.module] if node.module else base)
+                if not source or (PACKAGE / source.replace(".", "/")).is_dir():  # names may be modules
+                    deps.update(f"{source}.{alias.name}".lstrip(".") for alias in node.names)
+                deps.add(source or "__init__")
         graph[name] = deps
-    return {name: {d for d in deps if d in graph} for name, deps in graph.items()}
+    return {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
 
 
 def layer_of(module: str) -> int:
@@ -104,4 +105,4 @@ def test_no_upward_imports():
 
 def test_the_checks_can_fail():
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
-    assert layer_of("cli") > layer_of("core") > layer_of("modeling_dspark")
+    assert layer_of("cli") > layer_of("decoding.core") > layer_of("models.modeling_dspark")

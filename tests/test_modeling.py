@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from conftest import make_drafter
 from dspark_hf import DSparkGenerationStats
-from dspark_hf.heads import DSparkGatedMarkovHead, DSparkMarkovHead, DSparkRNNHead, survival_probabilities
+from dspark_hf.models.heads import DSparkGatedMarkovHead, DSparkMarkovHead, DSparkRNNHead, survival_probabilities
 from helpers import sample_block
 
 
@@ -202,7 +202,7 @@ def test_stats_per_position_and_tau():
 @pytest.mark.parametrize("shape", [(1, 7, 32), (3, 32), (2, 9, 32), (1, 0, 32), (40, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_few_rows_equals_linear(shape, with_bias):
-    from dspark_hf.utils import linear_few_rows
+    from dspark_hf.kernels.few_rows import linear_few_rows
 
     x, weight = torch.randn(*shape), torch.randn(50, 32)
     bias = torch.randn(50) if with_bias else None

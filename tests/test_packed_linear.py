@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from conftest import make_drafter, make_target
-from dspark_hf import packed_linear
-from dspark_hf.evaluation import load_assistant
-from dspark_hf.packed_linear import PackedLinear, inference_dtype, pack_linears, packed_count
-from dspark_hf.utils import kept_copies
+from dspark_hf.evaluation.harness import load_assistant
+from dspark_hf.kernels import packed_linear
+from dspark_hf.kernels.few_rows import kept_copies
+from dspark_hf.kernels.packed_linear import PackedLinear, inference_dtype, pack_linears, packed_count
 
 
 needs_packing = pytest.mark.skipif(

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers.testing_utils import CaptureLogger
 
-import dspark_hf.profiling as profiling
+import dspark_hf.decoding.profiling as profiling
 from conftest import make_drafter, make_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
-from dspark_hf.profiling import (
+from dspark_hf.decoding.profiling import (
     PROFILE_FORMAT,
     find_profile,
     load_profile,
@@ -21,7 +21,7 @@ from dspark_hf.profiling import (
     sps_for,
     sps_table,
 )
-from dspark_hf.scheduler import DraftGate
+from dspark_hf.decoding.scheduler import DraftGate
 
 
 def quick_profile(target, n=5, **kwargs):
@@ -177,7 +177,7 @@ def test_draft_gate_in_generate(target, monkeypatch, draft_seconds):
     """generate() with the draft gate: a draft pass priced at 1 s against 10 ms verifies leaves only the first
     draft and the probes; free drafts are never skipped; the features of skipped rounds reach the next draft
     (the generator checks the context count every round) and the output is plain greedy's either way."""
-    from dspark_hf import policy
+    from dspark_hf.decoding import policy
 
     monkeypatch.setattr(policy, "DraftGate", lambda sps, _seconds=None: DraftGate(sps, draft_seconds=draft_seconds))
     drafter = make_drafter(target, verify_policy="scheduler")

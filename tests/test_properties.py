@@ -10,8 +10,8 @@ hypothesis = pytest.importorskip("hypothesis", reason="needs `pip install hypoth
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from dspark_hf.openai_protocol import ProtocolError, ServingLimits, parse_chat, parse_completion  # noqa: E402
-from dspark_hf.scheduler import prefix_schedule, settled_prefix_schedule  # noqa: E402
+from dspark_hf.decoding.scheduler import prefix_schedule, settled_prefix_schedule  # noqa: E402
+from dspark_hf.serving.openai_protocol import ProtocolError, ServingLimits, parse_chat, parse_completion  # noqa: E402
 from helpers import char_tokenizer  # noqa: E402
 
 

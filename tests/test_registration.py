@@ -30,6 +30,7 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module):
 def config_fields(model) -> dict:
     fields = model.config.to_dict()
     fields.pop("_name_or_path")  # the folder it was loaded from
+    fields.pop("auto_map", None)  # written into the saved config.json only (remote code)
     return fields
 
 

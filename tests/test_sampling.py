@@ -16,7 +16,7 @@ from test_eagle3 import make_eagle
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import make_drafter, make_target
-from dspark_hf.candidate_generator import DSparkCandidateGenerator
+from dspark_hf.decoding.drafting import DSparkCandidateGenerator
 
 
 VOCAB, N_TOKENS = 4, 3

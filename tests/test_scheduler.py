@@ -2,8 +2,8 @@
 
 import pytest
 
-from dspark_hf.policy import VerifyPolicy
-from dspark_hf.scheduler import (
+from dspark_hf.decoding.policy import VerifyPolicy
+from dspark_hf.decoding.scheduler import (
     DraftGate,
     SPSCurve,
     conditional_confidences,

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import make_drafter, make_target
 from dspark_hf import Engine
-from dspark_hf.serving import DSparkServer, IncrementalDetokenizer, TextStream
+from dspark_hf.serving.server import DSparkServer, IncrementalDetokenizer, TextStream
 from helpers import char_tokenizer
 
 
@@ -349,7 +349,7 @@ def test_load_bench_end_to_end_writes_json_and_png(tmp_path):
 
 
 def test_matched_throughput_comparison():
-    from dspark_hf.load_bench import compare_curves
+    from dspark_hf.serving.load_bench import compare_curves
 
     def curve(*pairs):
         return [{"concurrency": 2**i, "aggregate_tok_s": a, "per_user_tok_s": u} for i, (a, u) in enumerate(pairs)]
@@ -369,7 +369,7 @@ def test_matched_throughput_comparison():
 
 def test_matched_throughput_is_against_the_best_fixed_gamma():
     """With several fixed γ the comparison takes, at each throughput, the best of them (their upper envelope)."""
-    from dspark_hf.load_bench import compare_curves
+    from dspark_hf.serving.load_bench import compare_curves
 
     def curve(*pairs):
         return [{"concurrency": 2**i, "aggregate_tok_s": a, "per_user_tok_s": u} for i, (a, u) in enumerate(pairs)]
@@ -395,7 +395,7 @@ def test_matched_throughput_is_against_the_best_fixed_gamma():
      ("scheduled", ("scheduler", None, True)), ("scheduled:ungated", ("scheduler", None, False))],
 )  # fmt: skip
 def test_parse_load_configuration(name, expected):
-    from dspark_hf.load_bench import parse_configuration
+    from dspark_hf.serving.load_bench import parse_configuration
 
     keys = ("verify_policy", "num_assistant_tokens", "gate_drafts")
     assert parse_configuration(name, block_size=7) == dict(zip(keys, expected))
@@ -403,7 +403,7 @@ def test_parse_load_configuration(name, expected):
 
 @pytest.mark.parametrize("name", ["fixed:0", "fixed:8", "fixed:x", "scheduled:2", "plain:1", "greedy"])
 def test_bad_load_configuration(name):
-    from dspark_hf.load_bench import parse_configuration
+    from dspark_hf.serving.load_bench import parse_configuration
 
     with pytest.raises(ValueError, match="fixed:K|1..7"):
         parse_configuration(name, block_size=7)

@@ -12,8 +12,9 @@ import pytest
 from transformers.testing_utils import CaptureLogger
 
 from conftest import make_drafter, make_target
-from dspark_hf import Engine, serving
-from dspark_hf.serving import DSparkServer, is_loopback
+from dspark_hf import Engine
+from dspark_hf.serving import server as serving
+from dspark_hf.serving.server import DSparkServer, is_loopback
 from helpers import char_tokenizer
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_drafter
-from dspark_hf.simulator import LoggedStep, simulate, steps_from_stats
+from dspark_hf.evaluation.simulator import LoggedStep, simulate, steps_from_stats
 
 
 STEPS = [LoggedStep([0.9, 0.8, 0.3, 0.1], verified=4, accepted=2)]

@@ -17,10 +17,10 @@ from transformers.cache_utils import DynamicCache
 from transformers.integrations import sdpa_attention
 
 from conftest import make_drafter, make_target
-from dspark_hf import verify_attention, verify_head
-from dspark_hf.engine import Engine
-from dspark_hf.verify_attention import ATTN_IMPLEMENTATION, routable, verify_sdpa_attention_forward
-from dspark_hf.verify_head import padded_steps, verify_kernels
+from dspark_hf.kernels import verify_attention, verify_head
+from dspark_hf.kernels.verify_attention import ATTN_IMPLEMENTATION, routable, verify_sdpa_attention_forward
+from dspark_hf.kernels.verify_head import padded_steps, verify_kernels
+from dspark_hf.serving.engine import Engine
 
 
 class Attention(torch.nn.Module):

@@ -5,9 +5,16 @@ import torch
 from torch import nn
 
 from conftest import make_drafter, make_target
-from dspark_hf import verify_head
-from dspark_hf.engine import Engine
-from dspark_hf.verify_head import VerifyHead, VerifyLinear, eligible, eligible_linears, padded_steps, verify_kernels
+from dspark_hf.kernels import verify_head
+from dspark_hf.kernels.verify_head import (
+    VerifyHead,
+    VerifyLinear,
+    eligible,
+    eligible_linears,
+    padded_steps,
+    verify_kernels,
+)
+from dspark_hf.serving.engine import Engine
 
 
 def count_calls(monkeypatch) -> list[tuple[int, int]]:

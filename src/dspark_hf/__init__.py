@@ -5,15 +5,15 @@ target.generate(**inputs, assistant_model=drafter)   # batched, lossless
 target.generate(**inputs, custom_generate=dspark_hf.speculative_generate, drafter=drafter)   # the same, no routing
 """
 
-from .configuration_dspark import DSparkConfig
-from .configuration_eagle3 import Eagle3Config
-from .engine import Engine, Request
-from .generation import generate, speculative_generate
-from .modeling_dspark import DSparkDraftModel, DSparkPreTrainedModel
-from .modeling_eagle3 import Eagle3DraftModel
-from .registration import register
-from .scheduler import prefix_schedule
-from .stats import DSparkGenerationStats
+from .decoding.scheduler import prefix_schedule
+from .decoding.stats import DSparkGenerationStats
+from .integrations.generation import generate, speculative_generate
+from .integrations.registration import register
+from .models.configuration_dspark import DSparkConfig
+from .models.configuration_eagle3 import Eagle3Config
+from .models.modeling_dspark import DSparkDraftModel, DSparkPreTrainedModel
+from .models.modeling_eagle3 import Eagle3DraftModel
+from .serving.engine import Engine, Request
 
 
 register()

@@ -36,7 +36,7 @@ def _check_model_path(path, option: str, drafter: bool = False) -> None:
     is not on disk is left to the Hub."""
     if path is None:
         return
-    from .loading import check_local_folder, looks_like_hub_id
+    from .utils.checkpoints import check_local_folder, looks_like_hub_id
 
     if drafter:
         try:
@@ -68,8 +68,8 @@ def _load(args):
         return load_default(drafter_path=args.drafter, drafter_dtype=_drafter_dtype(args))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .modeling_dspark import DSparkDraftModel
-    from .packed_linear import inference_dtype
+    from .kernels.packed_linear import inference_dtype
+    from .models.modeling_dspark import DSparkDraftModel
 
     if args.drafter is None:
         raise ValueError("--target needs --drafter (a DSpark checkpoint made for that target).")
@@ -80,8 +80,8 @@ def _load(args):
 
 
 def cmd_demo(args) -> int:
-    from .bench import encode, timed_generate
-    from .evaluation import run_bench
+    from .evaluation.harness import run_bench, timed_generate
+    from .utils.prompts import encode
 
     _at_least(args, 1, "repeats", "max_new_tokens")
     _check_model_path(args.target, "--target")
@@ -120,7 +120,7 @@ def _int_list(text: str) -> list[int]:
 
 def _load_drafters(args):
     """(target, tokenizer, {label: drafter}) for `bench`: every `--drafter [LABEL=]PATH`, else the default drafter."""
-    from .evaluation import load_assistant, parse_drafters
+    from .evaluation.harness import load_assistant, parse_drafters
 
     specs = parse_drafters(args.drafter or [])
     if not specs:
@@ -142,7 +142,7 @@ def _load_drafters(args):
 
 def _check_bench_args(args) -> None:
     """Everything `bench` can check before a model loads: numbers, model paths and drafter labels."""
-    from .evaluation import parse_drafters
+    from .evaluation.harness import parse_drafters
 
     _at_least(args, 1, "limit", "max_new_tokens", "latency_new_tokens", "requests_per_client")
     _check_model_path(args.target, "--target")
@@ -185,9 +185,9 @@ def cmd_bench(args) -> int:
         args.drafter = args.drafter[0] if args.drafter else None
         return cmd_load_bench(args)
 
-    from .bench import read_prompts
-    from .evaluation import format_evaluation, parse_datasets, run_evaluation
-    from .utils import atomic_write_json
+    from .evaluation.harness import format_evaluation, parse_datasets, run_evaluation
+    from .utils.files import atomic_write_json
+    from .utils.prompts import read_prompts
 
     files = parse_datasets(args.prompts, args.datasets)
     try:
@@ -229,7 +229,7 @@ def cmd_bench(args) -> int:
     print(format_evaluation(result))
     written = []
     if args.out:
-        from .evaluation_plots import plot_evaluation
+        from .evaluation.plots import plot_evaluation
 
         atomic_write_json(result, Path(args.out) / "evaluation.json")
         written += [Path(args.out) / "evaluation.json", *plot_evaluation(result, args.out)]
@@ -260,8 +260,8 @@ def _check_address(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from .engine import Engine
-    from .serving import DSparkServer, api_key_from_env
+    from .serving.engine import Engine
+    from .serving.server import DSparkServer, api_key_from_env
 
     _at_least(args, 1, "max_batch_size", "num_assistant_tokens")
     _check_address(args.host, args.port)
@@ -290,8 +290,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_load_bench(args) -> int:
-    from .bench import read_prompts
-    from .load_bench import format_load_summary, run_curve, run_load_benchmark, write_load_result
+    from .serving.load_bench import format_load_summary, run_curve, run_load_benchmark, write_load_result
+    from .utils.prompts import read_prompts
 
     records = read_prompts(args.prompts)[: args.limit] if args.prompts else None
     try:
@@ -303,7 +303,7 @@ def cmd_load_bench(args) -> int:
     )
     if args.url:
         _check_server(args.url)
-        from .load_bench import BUILTIN_PROMPTS
+        from .serving.load_bench import BUILTIN_PROMPTS
 
         curve = run_curve(
             args.url, records or BUILTIN_PROMPTS, concurrencies, args.requests_per_client, args.max_new_tokens
@@ -469,7 +469,7 @@ def cmd_data(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .modeling_dspark import DSparkDraftModel
+    from .models.modeling_dspark import DSparkDraftModel
 
     _check_model_path(args.drafter, "--drafter", drafter=True)
     _check_model_path(args.target, "--target")
@@ -487,7 +487,7 @@ def cmd_export(args) -> int:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     drafter = DSparkDraftModel.from_pretrained(args.drafter)
     if args.format == "gguf":
-        from .export_gguf import export_gguf
+        from .integrations.gguf import export_gguf
 
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -498,12 +498,12 @@ def cmd_export(args) -> int:
         print(f"wrote a llama.cpp GGUF draft model to {out}")
         return 0
     if args.format == "speculators":
-        from .export_speculators import export_speculators
+        from .integrations.speculators import export_speculators
 
         out = export_speculators(drafter, target, args.out, verifier=args.verifier, overwrite=args.overwrite)
         print(f"wrote a speculators (vLLM) checkpoint to {out}")
         return 0
-    from .conversion import export_deepspec
+    from .integrations.deepspec import export_deepspec
 
     out = export_deepspec(drafter, target, args.out, overwrite=args.overwrite)
     print(f"wrote a DeepSpec ({args.format}) checkpoint to {out}")
@@ -512,10 +512,10 @@ def cmd_export(args) -> int:
 
 def cmd_calibrate(args) -> int:
 
-    from .calibration import calibration_report, collect_confidence, fit_sts, reliability_diagram
-    from .configuration_dspark import DSparkConfig
+    from .models.configuration_dspark import DSparkConfig
+    from .training.calibration import calibration_report, collect_confidence, fit_sts, reliability_diagram
     from .training.dataset import TokenDataset
-    from .utils import atomic_write_json
+    from .utils.files import atomic_write_json
 
     args.drafter = args.drafter or str(Path(__file__).parent / "default_drafter")
     _at_least(args, 1, "seq_len", "batches", "anchors")
@@ -589,7 +589,7 @@ def _check_device(name: str | None) -> str:
 
 
 def cmd_profile(args) -> int:
-    from .profiling import plot_profile, profile_target, save_profile
+    from .decoding.profiling import plot_profile, profile_target, save_profile
 
     # before the target loads: a typo fails at once
     _at_least(args, 1, "max_tokens", "context_len", "repeats")

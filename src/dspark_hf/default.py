@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
-from .configuration_dspark import DSparkConfig
-from .modeling_dspark import DSparkDraftModel
-from .packed_linear import inference_dtype
+from .kernels.packed_linear import inference_dtype
+from .models.configuration_dspark import DSparkConfig
+from .models.modeling_dspark import DSparkDraftModel
 
 
 logger = logging.get_logger(__name__)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from transformers.utils import logging
 
-from ..utils import read_jsonl
+from ..utils.files import read_jsonl
 from .dataset import TokenDataset
 from .prompts import SOURCES, EvalGuard, build_prompts, is_heldout, prompt_text, save_jsonl, text_documents
 

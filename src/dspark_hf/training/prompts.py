@@ -39,7 +39,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..utils import read_jsonl
+from ..utils.files import read_jsonl
 
 
 logger = logging.get_logger(__name__)

@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModel
 from transformers.utils import logging
 
-from ..configuration_dspark import DSparkConfig
-from ..configuration_eagle3 import Eagle3Config
-from ..modeling_dspark import DSparkDraftModel
+from ..models.configuration_dspark import DSparkConfig
+from ..models.configuration_eagle3 import Eagle3Config
+from ..models.modeling_dspark import DSparkDraftModel
 from .config import DSparkTrainingConfig
 from .dataset import TokenDataset
 from .features import FeatureCache

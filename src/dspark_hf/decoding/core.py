@@ -1,0 +1,307 @@
+"""The speculative decoding round, written once for every driver: draft → choose lengths → verify → accept → commit.
+
+`generate()` (through transformers' public `custom_generate` hook, `generation.py`) and the `Engine` (continuous
+batching, `engine.py`) are thin drivers of one `SpeculativeDecoder`. It holds the batch: its rows (`Row`: a
+sequence and how its logits are processed and its tokens committed), the target's ragged KV cache, the drafter's
+candidate generator (`decoding/drafting.py`) and the verify policy (`policy.py`). Each `step()` is one round for
+every row:
+
+  draft    one drafter pass proposes a block for every row; the confidence head gives each position's calibrated
+           survival as it is sampled (skipped when the draft gate expects a plain step to be faster)
+  choose   the policy picks ℓ_r drafts per row (fixed / threshold / Algorithm 1), from survivals only
+  verify   one target forward on (B, W = max ℓ_r + 1) tokens, [anchor, drafts] per row, over the ragged cache, with
+           the CPU verify kernels scoped to this one forward (`verify_head.verify_kernels`)
+  accept   each slot's target logits processed with that slot's own prefix; greedy: the longest matching prefix
+           and the target's token after it; sampling: exact rejection sampling against the draft distribution
+  commit   accepted drafts + the bonus token go to each row (which clips at its stop); rejected and padding slots
+           stay in the cache as masked holes, trimmed or compacted between rounds
+
+Every row's output is what the target alone produces for it: token-identical under greedy decoding, identically
+distributed under sampling, whatever else is in the batch. Host syncs per round are few and do not grow with the
+block or batch size when sampling runs to the end of the block (see docs/architecture.md).
+"""
+
+import inspect
+import time
+
+import torch
+
+from ..kernels.verify_head import eligible_linears, verify_kernels
+from .acceptance import accept_greedy, accept_speculative_sampling
+from .drafting import candidate_generator_for
+from .policy import VerifyPolicy
+from .ragged_cache import RaggedCache
+from .rows import Drafts, Row, choose_tokens, process_logits
+from .stats import RECORDERS, DraftRound
+
+
+class SpeculativeDecoder:
+    """A batch of rows decoded together, one round per `step()`.
+
+    Args:
+        target: a causal LM whose layers keep keys/values in a `DynamicCache` (Llama, Qwen2/3, Mistral, Gemma text
+            models; sliding windows included).
+        drafter: a drafter of this package made for `target` (DSpark, DFlash-mode or EAGLE-3), or None for plain
+            batched decoding.
+        policy: the `VerifyPolicy` (None: plain decoding, or "fixed" for a drafter).
+        num_assistant_tokens: the most drafts a row examines per round (1..block size; None: the whole block).
+        compact_fraction: compact a cache when more than this fraction of its slots are holes.
+        stop_sampling_early: stop sampling a block once the policy's lengths are settled (None: on the CPU, where it
+            saves drafter work; on an accelerator sampling the whole block avoids one host sync per position).
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        *,
+        policy: VerifyPolicy | None = None,
+        num_assistant_tokens: int | None = None,
+        compact_fraction: float = 0.5,
+        stop_sampling_early: bool | None = None,
+    ):
+        if not 0.0 < compact_fraction <= 1.0:
+            raise ValueError(f"`compact_fraction` must lie in (0, 1], got {compact_fraction}.")
+        self.target, self.compact_fraction = target, compact_fraction
+        self.device = next(target.parameters()).device
+        text_config = target.config.get_text_config()
+        self.sliding = getattr(text_config, "sliding_window", None) is not None or "sliding_attention" in (
+            getattr(text_config, "layer_types", None) or []
+        )
+        params = inspect.signature(target.forward).parameters
+        # transformers 5.24 renamed `past_key_values` to `cache`; remote-code models may keep the old name
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.keeps_logits = "logits_to_keep" in params
+        self.candidates = candidate_generator_for(drafter, target) if drafter is not None else None
+        self.block_size = self.candidates.block_size if self.candidates is not None else 0
+        self.taps = self.candidates.taps if self.candidates is not None else None
+        if policy is None and drafter is not None:
+            policy = VerifyPolicy("fixed")
+        self.policy = policy
+        self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
+        self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
+        self._linears = eligible_linears(target)  # kept here (never on the target) for `verify_kernels`
+        self.target_cache = RaggedCache(self.device)
+        self.rows: list[Row] = []
+        self.counts = dict.fromkeys(
+            ("rounds", "prefills", "request_rounds", "verified_drafts", "accepted_drafts", "compactions",
+             "gated_rounds"),
+            0,
+        )  # fmt: skip
+
+    def _check_num_assistant_tokens(self, value: int | None) -> int:
+        if value is None:
+            return self.block_size
+        if self.candidates is None:
+            raise ValueError(f"num_assistant_tokens={value!r} needs a drafter; plain decoding drafts nothing.")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.block_size:
+            raise ValueError(
+                f"`num_assistant_tokens` must be an int in 1..{self.block_size} (the drafter's block size), "
+                f"got {value!r}."
+            )
+        return value
+
+    # -- joining and leaving --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, rows: list[Row]) -> list[Row]:
+        """Run new prompts through the target in one forward (right-padded; pads are holes), commit each row's first
+        token and add the unfinished rows to the batch. Returns the rows that finished on their first token.
+
+        A single prompt runs exactly as plain `generate()` runs it (no mask, logits of the last position only).
+        """
+        if not rows:
+            return []
+        lengths = [len(row.seq) for row in rows]
+        width = max(lengths)
+        ids = torch.tensor([row.seq + [0] * (width - len(row.seq)) for row in rows], device=self.device)
+        last = torch.tensor(lengths, device=self.device) - 1  # (n,) position of each prompt's last token
+        valid = torch.arange(width, device=self.device)[None] <= last[:, None]  # (n, P)
+        kept = torch.unique(last)  # sorted; only these logits are computed, as generate() keeps only the last
+        kwargs = {"logits_to_keep": kept} if self.keeps_logits else {}
+        if len(set(lengths)) > 1:
+            kwargs["attention_mask"] = valid.long()
+        cache = RaggedCache(self.device, batch_size=len(rows))
+        out = self.target(
+            input_ids=ids, use_cache=True, output_hidden_states=self.taps, **kwargs, **{self.cache_arg: cache.cache}
+        )
+        cache.commit(valid)
+        self.counts["prefills"] += 1
+        column = torch.searchsorted(kept, last) if self.keeps_logits else last
+        logits = out.logits.to(self.device)[torch.arange(len(rows), device=self.device), column].float()  # (n, V)
+        processed = process_logits(rows, logits[:, None])[:, 0]
+        tokens = choose_tokens(rows, processed).tolist()
+        features = self._features(out) if self.taps else None  # (n, P, m·d)
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            row.context = features[i, : lengths[i]] if features is not None else None  # every prompt position
+            row.commit([token], processed[i : i + 1])
+            row.seq.append(token)
+        keep = [i for i, row in enumerate(rows) if not row.finished]  # EOS or a one-token budget: done already
+        if len(keep) < len(rows):
+            cache.select(keep)
+        if keep:
+            self.target_cache.extend(cache)
+            if self.candidates is not None:
+                self.candidates.add_rows(len(keep))
+            self.rows += [rows[i] for i in keep]
+        return [row for row in rows if row.finished]
+
+    def retire(self) -> list[Row]:
+        """Remove finished rows from the batch and every cache; returns them."""
+        keep = [i for i, row in enumerate(self.rows) if not row.finished]
+        done = [row for row in self.rows if row.finished]
+        if done:
+            self.target_cache.select(keep)
+            if self.candidates is not None:
+                self.candidates.select(keep)
+            self.rows = [self.rows[i] for i in keep]
+        return done
+
+    def reset(self) -> None:
+        """Drop every row and cache (after a failed round the batch state is unreliable)."""
+        self.rows = []
+        self.target_cache = RaggedCache(self.device)
+        if self.candidates is not None:
+            self.candidates.reset()
+
+    # -- the round ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One round for every row: draft → choose lengths → verify → accept → commit. Rows that finish stay in the
+        batch, marked `finished`, until `retire()`."""
+        self._crop()  # a sliding-window target must see right-aligned rows from the first verify on
+        if not self.rows:
+            return
+        start = _clock(self.device) if RECORDERS else 0.0
+        drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
+        record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
+        logits, features = self._verify(drafts)
+        accepted, bonus, processed = self._accept(drafts, logits)
+        self._commit(drafts, accepted, bonus, processed, features)
+        if record is not None:
+            record.accepted = sum(accepted)
+            RECORDERS[-1].append(record)
+
+    def _caps(self) -> list[int]:
+        """Drafts each row may examine: `num_assistant_tokens`, and one fewer than its remaining budget (the bonus
+        takes the last slot)."""
+        return [max(0, min(self.num_assistant_tokens, row.remaining - 1)) for row in self.rows]
+
+    def _drafting_pays(self) -> bool:
+        """Whether to draft this round: always with a drafter, unless the draft gate finds a plain step cheaper."""
+        caps = self._caps()
+        if self.candidates is None or max(caps) == 0:  # no row may take a draft: a plain step, not a gated one
+            return False
+        gate = self.policy.gate
+        if gate is None or gate.should_draft([row.hint for row in self.rows], caps):
+            return True
+        self.counts["gated_rounds"] += 1
+        for row in self.rows:
+            row.stats.gated_rounds += 1
+        return False
+
+    def _draft(self) -> Drafts:
+        """draft → choose lengths; timed, with the confidences seen, for the gate."""
+        gate = self.policy.gate
+        start = time.perf_counter()
+        caps = self._caps()
+        drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
+        drafts.lengths = self.policy.lengths(drafts.conditional, caps)
+        if gate is not None:  # the survivals were read back: the time includes the device's work
+            gate.record(time.perf_counter() - start, drafts.conditional)
+            for row, conditional in zip(self.rows, drafts.conditional):
+                row.hint = conditional
+        return drafts
+
+    def _verify(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over [anchor, ℓ_r drafts] per row, padded to W = max ℓ_r + 1 and masked.
+
+        Returns logits (B, W, V) float32 and the tapped features (B, W, m·d) (None for plain decoding). Slot j of
+        row r sits at position anchor_r + j and predicts the token after it.
+        """
+        lengths = torch.tensor(drafts.lengths, device=self.device)
+        width = max(drafts.lengths) + 1
+        anchors = torch.tensor([[row.seq[-1]] for row in self.rows], device=self.device)
+        ids = torch.cat([anchors, drafts.tokens[:, : width - 1].to(self.device)], dim=1)  # (B, W)
+        slots = torch.arange(width, device=self.device)
+        position_ids = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None] + slots
+        mask = self.target_cache.attention_mask(slots[None] <= lengths[:, None])  # (B, T + W)
+        with verify_kernels(self.target, self._linears):
+            out = self.target(
+                input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
+                output_hidden_states=self.taps, **{self.cache_arg: self.target_cache.cache},
+            )  # fmt: skip
+        self.counts["rounds"] += 1
+        return out.logits.to(self.device).float(), self._features(out) if self.taps else None
+
+    def _accept(self, drafts: Drafts, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+        """Accepted draft count and bonus token per row, and the processed target logits (B, W, V).
+
+        Greedy rows: the longest prefix of drafts equal to the processed target argmax, then the argmax after it.
+        Sampling rows: accept x_k with probability min(1, p_k(x_k) / q_k(x_k)); the bonus from norm(max(0, p - q))
+        at the first rejection, else from the target's next distribution (`acceptance.py`).
+        """
+        width = logits.shape[1]
+        tokens = drafts.tokens[:, : width - 1].to(self.device)
+        processed = process_logits(self.rows, logits, tokens)
+        lengths = torch.tensor(drafts.lengths, device=self.device)
+        accepted, bonus = accept_greedy(tokens, processed.argmax(dim=-1), lengths)
+        accepted, bonus = accepted.tolist(), bonus.tolist()
+        for i, row in enumerate(self.rows):
+            if row.do_sample:
+                n = drafts.lengths[i]
+                target_probs = torch.softmax(processed[i, : n + 1], dim=-1)  # (n + 1, V)
+                draft_probs = torch.softmax(drafts.logits[i, :n].to(self.device), dim=-1) if n else processed[i, :0]
+                accepted[i], bonus[i] = accept_speculative_sampling(
+                    target_probs, draft_probs, tokens[i, :n], row.generator
+                )
+        return accepted, bonus, processed
+
+    def _commit(self, drafts: Drafts, accepted, bonus, processed, features) -> None:
+        """Append accepted drafts + bonus per row; the anchor and accepted drafts stay valid in the target cache,
+        rejected and padding slots become holes."""
+        width = processed.shape[1]
+        keep = torch.arange(width, device=self.device)[None] <= torch.tensor(accepted, device=self.device)[:, None]
+        self.target_cache.commit(keep)
+        tokens = drafts.tokens.tolist()
+        survival = drafts.survival
+        for i, row in enumerate(self.rows):
+            n_acc = accepted[i]
+            new = tokens[i][:n_acc] + [bonus[i]]
+            taken = row.commit(new, processed[i, : n_acc + 1])
+            row.stats.record_step(drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i])
+            row.seq += new[:taken]
+            if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor)
+                context = features[i, : n_acc + 1]
+                row.context = context if row.context is None else torch.cat([row.context, context])
+            self.counts["request_rounds"] += 1
+            self.counts["verified_drafts"] += drafts.lengths[i]
+            self.counts["accepted_drafts"] += n_acc
+
+    def _crop(self) -> None:
+        """Drop trailing holes; compact a cache whose holes pile up (the target's whenever a sliding window would
+        otherwise count holes)."""
+        caches = [self.target_cache] + ([self.candidates.cache] if self.candidates is not None else [])
+        for cache in caches:
+            if cache is None:
+                continue
+            cache.trim()
+            sliding = cache is self.target_cache and self.sliding and not cache.is_right_aligned()
+            if cache.batch_size and (sliding or cache.hole_fraction() > self.compact_fraction):
+                cache.compact()
+                self.counts["compactions"] += 1
+
+    def _features(self, out) -> torch.Tensor:
+        """Tapped target layers, concatenated in `target_layer_ids` order: (B, L, m·d)."""
+        return torch.cat([out.hidden_states[i].to(self.device) for i in self.taps], dim=-1)
+
+
+def _clock(device) -> float:
+    """`time.perf_counter()` after the device has finished its queued work (timing for the evaluation harness)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+__all__ = ["Drafts", "Row", "SpeculativeDecoder"]

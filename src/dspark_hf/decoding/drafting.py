@@ -1,0 +1,258 @@
+"""Candidate generators: the draft step of the round (`core.py`), one class per drafter kind.
+
+A candidate generator proposes drafts for every row of the batch at once and keeps the drafter's own state between
+rounds. `propose(rows, caps, policy)` returns a `core.Drafts`: the draft tokens, the processed draft logits they were
+drawn from (what rejection sampling compares against) and, where the drafter has a confidence head, the calibrated
+conditional acceptance of each position examined. The policy then chooses how many to verify.
+
+- `DSparkCandidateGenerator` (DSpark, DFlash mode included): each row appends the target features it committed
+  since its last draft to the drafter's ragged context cache; one parallel block pass over [anchor, mask, ...] for
+  every row; then the block is sampled position by position through the sequential head, the confidence head
+  scoring each position before its token exists (DSpark §3.5), until the policy's lengths are settled.
+- `Eagle3CandidateGenerator`: an EAGLE-3 drafter feeds its own output back, one forward per draft, row by row.
+
+transformers' `CandidateGenerator` interface is batch-1 (one (1, L) tensor in, candidates and logits out); these
+keep its role, not its signature, since rows here hold different numbers of tokens. To add a drafter kind, write a
+class with `block_size`, `taps`, `cache`, `add_rows`, `select`, `reset` and `propose`, and name it in
+`candidate_generator_for`.
+"""
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from ..kernels.packed_linear import pack_linears
+from ..models.configuration_dspark import EARLY_DRAFT_POSITIONS
+from .ragged_cache import RaggedCache
+from .rows import Drafts, choose_tokens, process_logits
+
+
+DRAFTER_TYPES = ("dspark", "dspark_eagle3")
+
+
+def is_drafter(model) -> bool:
+    """Whether `model` is one of this package's drafters (duck-typed on `config.model_type`, so a drafter loaded with
+    `trust_remote_code` counts too)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in DRAFTER_TYPES
+
+
+def candidate_generator_for(drafter, target):
+    """The candidate generator for one of this package's drafters (dispatch on `config.model_type`, so a drafter
+    loaded with `trust_remote_code` works too)."""
+    model_type = getattr(getattr(drafter, "config", None), "model_type", None)
+    if model_type == "dspark":
+        return DSparkCandidateGenerator(drafter, target)
+    if model_type == "dspark_eagle3":
+        return Eagle3CandidateGenerator(drafter, target)
+    raise TypeError(
+        f"The drafter must be a DSpark or EAGLE-3 drafter of this package (config.model_type 'dspark' or "
+        f"'dspark_eagle3'), got {type(drafter).__name__} with model_type {model_type!r}."
+    )
+
+
+class _Generator:
+    """What both drafter kinds share: the borrowed embedding and LM head, the target layers tapped."""
+
+    def __init__(self, drafter, target):
+        self.drafter, self.config = drafter, drafter.config
+        self.block_size = self.config.block_size
+        self.taps = [i + 1 for i in self.config.target_layer_ids]  # +1: hidden_states[0] is the embedding output
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        if self.lm_head is None:
+            raise ValueError(f"{type(target).__name__} has no output embeddings (LM head) for the drafter to borrow.")
+        self.device = next(drafter.parameters()).device
+        self.target_device = next(target.parameters()).device
+        pack_linears(drafter)  # the drafter's CPU linears through oneDNN's packed weights (packed_linear.py)
+
+
+class DSparkCandidateGenerator(_Generator):
+    """Drafts a block per row with a DSpark drafter: one parallel pass, then the sequential and confidence heads."""
+
+    def __init__(self, drafter, target):
+        super().__init__(drafter, target)
+        self.temperatures = drafter.sts_temperatures.tolist()
+        self.cache = RaggedCache(self.device)
+
+    def add_rows(self, n: int) -> None:
+        self.cache.extend(RaggedCache(self.device, batch_size=n))  # no context yet: the first draft brings it
+
+    def select(self, keep: list[int]) -> None:
+        self.cache.select(keep)
+
+    def reset(self) -> None:
+        self.cache = RaggedCache(self.device)
+
+    def propose(self, rows, caps: list[int], policy, early: bool = True):
+        """Drafts for every row: `core.Drafts` with tokens (B, K), logits (B, K, V) and conditional confidences."""
+        return self._sample(self._block(rows), rows, caps, policy, early)
+
+    def _block(self, rows) -> torch.Tensor:
+        """Backbone pass for all rows; returns h (B, γ, d). The drafter cache keeps the new context, not the block.
+
+        Row r appends its n_r new context entries (positions start_r .. start_r + n_r - 1, padded to the longest
+        row and masked) and runs the block [anchor, mask, ...] at positions anchor_r .. anchor_r + γ - 1.
+        """
+        gamma, device = self.block_size, self.device
+        n_new = torch.tensor([row.context.shape[0] for row in rows], device=device)
+        contexts = [row.context.to(device) for row in rows]
+        context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, C, m·d), zero-padded
+        width = context.shape[1]
+        ctx_valid = torch.arange(width, device=device)[None] < n_new[:, None]  # (B, C)
+        anchor = torch.tensor([row.anchor_position for row in rows], device=device)
+        start = anchor - n_new  # the context always ends right before the anchor
+        ctx_positions = start[:, None] + torch.arange(width, device=device)  # (B, C)
+        block_positions = anchor[:, None] + torch.arange(gamma, device=device)  # (B, γ)
+        position_ids = torch.cat([ctx_positions, block_positions], dim=1)  # (B, C + γ)
+        keys = torch.cat([self.cache.valid, ctx_valid, ctx_valid.new_ones(len(rows), gamma)], dim=1)
+        mask = None if bool(keys.all()) else keys[:, None, None, :].expand(-1, 1, gamma, -1)  # (B, 1, γ, K)
+        anchor_ids = torch.tensor([[row.seq[-1]] for row in rows], device=self.embed_tokens.weight.device)
+        out = self.drafter(
+            noise_embeds=self.drafter.block_input_embeds(anchor_ids, self.embed_tokens),
+            context_hidden_states=context,
+            position_ids=position_ids,
+            attention_mask=mask,
+            cache=self.cache.cache,
+        )
+        self.cache.cache.crop(-gamma)  # the block's own K/V are not context
+        self.cache.commit(ctx_valid)
+        for row in rows:
+            row.context = None
+        return out.last_hidden_state
+
+    def _sample(self, hidden: torch.Tensor, rows, caps: list[int], policy, early: bool):
+        """Token-by-token sampling through the sequential head for all rows at once (DSpark §3.5).
+
+        hidden (B, γ, d). For k = 1..K: the confidence c_k from [h_k; x_{k-1}] (before x_k exists), then x_k from
+        processors(U_k + B_k(x_{k-1})): argmax, or a draw. Row r examines `caps[r]` positions. With `early`, a policy
+        that can stop early stops before sampling position k once the survivals seen (c_k included) settle every
+        row's verify length short of it: under load Algorithm 1 often verifies 0-1 drafts per row, and the rest of
+        the block would be sampled for nothing (this reads each position's confidences back: one host sync each).
+        """
+        steps = max(caps)
+        prev = torch.tensor([[row.seq[-1]] for row in rows], device=hidden.device)  # (B, 1): the anchors
+        tokens = prev.new_zeros(len(rows), steps)
+        if steps == 0:
+            return Drafts(tokens, None, list(caps), [[] for _ in rows])
+        early = early and policy.stops_early
+        # One LM-head product for the block; a policy that can stop early takes the first positions first
+        first = min(EARLY_DRAFT_POSITIONS, steps) if early else steps
+        base = self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)  # (B, K', V)
+        sampling = any(row.do_sample for row in rows)
+        logits_out = base.new_zeros(len(rows), steps, base.shape[-1]) if sampling else None
+        seen, state = [], None  # seen[k]: (B,) conditional confidences of position k + 1
+        for k in range(steps):
+            h_k = hidden[:, k : k + 1]
+            conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1), or None without a confidence head
+            if conf is not None:
+                seen.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))  # STS-calibrated c_k, before x_k
+                if early:
+                    seen[-1] = seen[-1].tolist()
+                    width = policy.settled_width(_by_row(seen, len(rows)), caps)
+                    if width is not None and width <= k:
+                        break  # the survivals seen decide every row's length, and none verifies position k + 1
+            if k == base.shape[1]:
+                base = torch.cat([base, self.drafter.draft_base_logits(hidden[:, k:steps], self.lm_head)], dim=1)
+            bias, next_state = self.drafter.draft_sequential_bias(prev, h_k, state)
+            logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]  # (B, V)
+            logits = process_logits(rows, logits[:, None], tokens, first=k)[:, 0]
+            logits = self._draft_vocab_fallback(logits, rows, h_k, prev, state, tokens, k)
+            state = next_state
+            tokens[:, k] = choose_tokens(rows, logits, live=[k < cap for cap in caps])
+            if logits_out is not None:
+                logits_out[:, k] = logits
+            prev = tokens[:, k : k + 1]
+        seen = [c if isinstance(c, list) else c.tolist() for c in seen] if early else _read_back(seen)
+        conditional = [c[:cap] for c, cap in zip(_by_row(seen, len(rows)), caps)]
+        return Drafts(tokens.to(self.target_device), logits_out, list(caps), conditional)
+
+    def _draft_vocab_fallback(self, logits, rows, h_k, prev, state, tokens, k):
+        """With a draft vocabulary, logits processors can rule out all of it for a row (e.g. a bad-words list):
+        draft that row's position over the whole vocabulary instead. Checked only when both are in play."""
+        drafter = self.drafter
+        if drafter.draft_vocab_ids is None or not any(row.processors is not None for row in rows):
+            return logits
+        empty = ~torch.isfinite(logits).any(dim=-1)  # (B,)
+        if not bool(empty.any()):
+            return logits
+        bias, _ = drafter.sequential_bias(prev, h_k, state)
+        full = drafter.base_logits(h_k, self.lm_head)[:, 0] + (0 if bias is None else bias[:, 0])
+        full = process_logits(rows, full[:, None], tokens, first=k)[:, 0]
+        return torch.where(empty[:, None], full, logits)
+
+
+def _read_back(seen: list[torch.Tensor]) -> list[list[float]]:
+    """Every position's confidences in one host transfer: seen[k] (B,) -> [[c_{r,k} for r] for k]."""
+    return torch.stack(seen).tolist() if seen else []
+
+
+def _by_row(seen: list[list[float]], n_rows: int) -> list[list[float]]:
+    """seen[k][r] -> [c_{r,1}, c_{r,2}, ...] per row."""
+    return [list(column) for column in zip(*seen)] if seen else [[] for _ in range(n_rows)]
+
+
+class Eagle3CandidateGenerator(_Generator):
+    """Drafts with an EAGLE-3 drafter, row by row: the positions a row committed since its last draft enter its own
+    drafter cache with their target features (one forward, which also predicts the first draft), then each further
+    draft is one more forward feeding the drafter's own output back. No confidence head: it verifies what it drafts.
+    """
+
+    cache = None  # one exact `DynamicCache` per row instead of a shared ragged one
+
+    def __init__(self, drafter, target):
+        super().__init__(drafter, target)
+        self.caches: list[DynamicCache] = []
+
+    def add_rows(self, n: int) -> None:
+        self.caches += [DynamicCache() for _ in range(n)]
+
+    def select(self, keep: list[int]) -> None:
+        self.caches = [self.caches[i] for i in keep]
+
+    def reset(self) -> None:
+        self.caches = []
+
+    def propose(self, rows, caps: list[int], policy, early: bool = True):
+        steps, drafted = max(caps), []
+        for row, cap, cache in zip(rows, caps, self.caches):
+            if cap == 0:  # its context waits for the next draft
+                drafted.append(None)
+                continue
+            seq = torch.tensor([row.seq], device=self.device)
+            length = seq.shape[1]
+
+            def processors(ids, scores, row=row, length=length):
+                return process_logits([row], scores[:, None], ids[:, length:], first=ids.shape[1] - length)[:, 0]
+
+            drafted.append(
+                self.drafter.draft(
+                    seq,
+                    row.context[None].to(self.device),
+                    cache,
+                    self.embed_tokens,
+                    self.lm_head,
+                    cap,
+                    logits_processor=processors,
+                    do_sample=row.do_sample,
+                )  # fmt: skip
+            )
+            row.context = None
+        tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=self.target_device)
+        logits = None
+        if any(row.do_sample for row in rows):
+            logits = torch.zeros(len(rows), steps, self.lm_head.weight.shape[0], device=self.target_device)
+        for i, draft in enumerate(drafted):
+            if draft is not None:
+                n = draft.tokens.shape[1]
+                tokens[i, :n] = draft.tokens[0].to(self.target_device)
+                if logits is not None:
+                    logits[i, :n] = draft.logits[0].to(self.target_device)
+        return Drafts(tokens, logits, list(caps), [[] for _ in rows])
+
+
+__all__ = [
+    "DRAFTER_TYPES",
+    "DSparkCandidateGenerator",
+    "Eagle3CandidateGenerator",
+    "candidate_generator_for",
+    "is_drafter",
+]

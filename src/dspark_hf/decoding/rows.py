@@ -1,0 +1,120 @@
+"""Rows of a decoding batch, the drafts proposed for them, and how their logits are processed and sampled.
+
+Shared by the round (`core.py`) and the candidate generators (`decoding/drafting.py`), so that a draft and the
+target's verify of it process logits by exactly the same rule.
+"""
+
+import itertools
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from .stats import DSparkGenerationStats
+
+
+class Row:
+    """One sequence being decoded. Drivers subclass it to say how logits are processed and tokens committed.
+
+    seq: committed tokens (prompt + output, no padding); the last one is the anchor, not yet run through the target.
+    Logits are processed either by `warpers` shared by every row with the same `sampling_key` (prefix-free, so one
+    pass serves them all: the Engine's temperature / top-k / top-p), or by `processors` called with each position's
+    own prefix (`processor_ids()` + the drafts before it: transformers' logits processors in `generate()`).
+    """
+
+    sampling_key: tuple | None = None
+    warpers = None
+    processors = None
+
+    def __init__(self, prompt_ids: list[int], *, do_sample: bool = False, generator=None, block_size: int = 0):
+        self.seq = list(prompt_ids)
+        self.do_sample, self.generator = do_sample, generator
+        self.finished = False
+        self.context: torch.Tensor | None = None  # (n, m·d) target features not yet in the drafter's cache
+        self.hint: list[float] | None = None  # conditional confidences of its last drafted round (the gate's guess)
+        self.stats = DSparkGenerationStats(block_size=block_size, num_prompt_tokens=len(self.seq))
+
+    @property
+    def anchor_position(self) -> int:
+        return len(self.seq) - 1
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the row may still commit (a round commits at most drafts + 1)."""
+        raise NotImplementedError
+
+    def processor_ids(self) -> list[int]:
+        """The ids `processors` see before the drafts: the committed sequence (drivers may prepend padding)."""
+        return self.seq
+
+    def commit(self, tokens: list[int], scores: torch.Tensor | None = None) -> int:
+        """Take tokens as plain decoding would, stopping where it stops; sets `finished`. Returns how many it took.
+        scores (n, V): the processed target logits each token was chosen from (for drivers that return them)."""
+        raise NotImplementedError
+
+
+@dataclass
+class Drafts:
+    """One round's drafts for all rows.
+
+    tokens (B, K): drafts (K = the most any row sampled; columns past a row's own are padding); logits (B, K, V):
+    the processed draft logits they were drawn from (None when no row samples); lengths: ℓ_r to verify;
+    conditional: c_{r,k}, the calibrated conditional acceptance of the positions row r examined.
+    """
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor | None
+    lengths: list[int]
+    conditional: list[list[float]]
+
+    @property
+    def survival(self) -> list[list[float]]:
+        """Cumulative survival a_{r,k} = Π_{i<=k} c_{r,i} per row."""
+        return [list(itertools.accumulate(c, operator.mul)) for c in self.conditional]
+
+    @classmethod
+    def none(cls, n_rows: int, device) -> "Drafts":
+        """A plain step: every row verifies only its anchor."""
+        return cls(torch.zeros(n_rows, 0, dtype=torch.long, device=device), None, [0] * n_rows, [[]] * n_rows)
+
+
+def process_logits(rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0):
+    """Each row's logits processing on logits (B, S, V); slot s of row r follows seq_r + drafts[r, :first + s].
+
+    Rows with equal `sampling_key` share one warper pass; rows with `processors` are processed slot by slot with
+    their own prefix, as transformers processes every position of a verify. Unprocessed rows pass through unchanged.
+    """
+    groups: dict[tuple, list[int]] = {}
+    own = [i for i, row in enumerate(rows) if row.processors is not None]
+    for i, row in enumerate(rows):
+        if row.processors is None and row.sampling_key is not None and row.warpers:
+            groups.setdefault(row.sampling_key, []).append(i)
+    if not groups and not own:
+        return logits
+    logits = logits.clone()
+    for members in groups.values():
+        index = torch.tensor(members, device=logits.device)
+        part = logits[index]
+        flat = part.reshape(-1, part.shape[-1])  # (rows · slots, V): warpers act per row
+        logits[index] = rows[members[0]].warpers(None, flat).reshape(part.shape)
+    for i in own:
+        prefix = torch.tensor([rows[i].processor_ids()], device=logits.device)  # (1, L)
+        for s in range(logits.shape[1]):
+            ids = prefix if drafts is None else torch.cat([prefix, drafts[i : i + 1, : first + s].to(prefix)], dim=1)
+            logits[i, s] = rows[i].processors(ids, logits[i, s][None])[0]
+    return logits
+
+
+def choose_tokens(rows: list[Row], logits: torch.Tensor, live: list[bool] | None = None) -> torch.LongTensor:
+    """Next token per row from processed logits (B, V): argmax, or a draw for sampling rows (from the row's own
+    generator, else torch's global one). Only `live` rows draw, so a row's random stream does not depend on the
+    batch."""
+    tokens = logits.argmax(dim=-1)
+    for i, row in enumerate(rows):
+        if row.do_sample and (live is None or live[i]):
+            probs = torch.softmax(logits[i], dim=-1)
+            tokens[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
+    return tokens
+
+
+__all__ = ["Drafts", "Row", "choose_tokens", "process_logits"]

@@ -1,0 +1,1 @@
+"""Benchmarks, plots and the acceptance simulator."""

@@ -1,0 +1,353 @@
+"""`generate()` with a drafter: the `SpeculativeDecoder` as the decoding loop, on transformers' public hook.
+
+Two ways in, both batched (left-padded prompts, each row token-identical to its own plain greedy decoding):
+
+    target.generate(**inputs, custom_generate=dspark_hf.speculative_generate, drafter=drafter)  # no patching
+    target.generate(**inputs, assistant_model=drafter)  # after import dspark_hf
+
+`generate()` prepares the generation config, logits processors, stopping criteria and attention mask, then calls
+`speculative_generate` in place of its own loop. That callable only receives keyword arguments its signature names
+(`compat.py`), so `install()` (run once by `import dspark_hf`) wraps the public `GenerationMixin.generate`: a call
+whose `assistant_model` is one of this package's drafters becomes the explicit form, with the streamer and
+tokenizer passed on under names the hook keeps and stop strings turned into a stopping criterion; every other call
+goes to transformers untouched. Pipelines call `model.generate(..., assistant_model=drafter)` and take this path.
+`generate(model, ...)` is the same routing as a function, for the Hub `custom_generate/` folder.
+"""
+
+import functools
+
+import torch
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.utils import logging
+
+from ..decoding.core import SpeculativeDecoder
+from ..decoding.drafting import is_drafter
+from ..decoding.policy import VerifyPolicy
+from ..decoding.rows import Row
+from ..decoding.stats import DSparkGenerationStats
+from ..utils.compat import check_transformers_version
+
+
+logger = logging.get_logger(__name__)
+
+_MARKER = "_dspark_routing"
+_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
+
+
+class _GenerateRow(Row):
+    """A row of `generate()`'s batch: transformers' logits processors and stopping criteria, and its padding.
+
+    `processor_ids()` is the row as `generate()` holds it (left padding included), so processors that count
+    positions (min_new_tokens, ...) see what they see in plain decoding. Stopping: the length limit and EOS are
+    checked on the token list; any other criterion (stop strings, user criteria) is asked token by token.
+    """
+
+    def __init__(
+        self, padding, prompt, *, processors, others, eos, max_length, do_sample, keep_scores, streamer, block_size
+    ):
+        super().__init__(prompt, do_sample=do_sample, block_size=block_size)
+        self.padding, self.others, self.eos, self.max_length = padding, others, eos, max_length
+        self.processors = processors
+        self.limit: int | None = None  # set when the batch's length is known and this row must reach it
+        self.stopped_at: int | None = None  # padded length where its stopping criteria first fired
+        self.output: list[int] = []
+        self.scores: list[torch.Tensor] | None = [] if keep_scores else None
+        self.streamer = streamer
+
+    @property
+    def length(self) -> int:
+        return len(self.padding) + len(self.seq)
+
+    @property
+    def remaining(self) -> int:
+        end = self.max_length if self.limit is None else min(self.max_length, self.limit)
+        return end - self.length
+
+    def processor_ids(self) -> list[int]:
+        return self.padding + self.seq
+
+    def commit(self, tokens: list[int], scores: torch.Tensor | None = None) -> int:
+        taken = 0
+        for j, token in enumerate(tokens[: self.remaining]):
+            taken = j + 1
+            length = self.length + taken
+            stop = token in self.eos or length >= self.max_length
+            if not stop and self.others is not None:
+                ids = torch.tensor([self.processor_ids() + tokens[:taken]])
+                stop = bool(self.others(ids, None if scores is None else scores[j : j + 1]).any())
+            if stop and self.stopped_at is None:
+                self.stopped_at = length
+            if (stop and self.eos) or length >= self.max_length or (self.limit is not None and length >= self.limit):
+                self.finished = True  # with EOS criteria a stopped row is padded; without, it decodes on
+                break
+        new = tokens[:taken]
+        self.output += new
+        self.stats.num_new_tokens = len(self.output)
+        if self.scores is not None and scores is not None:
+            self.scores += list(scores[:taken].clone())
+        if self.streamer is not None and new:
+            self.streamer.put(torch.tensor(new))
+        return taken
+
+
+def _split_stopping(stopping_criteria) -> tuple[set[int], int | None, StoppingCriteriaList | None]:
+    """(EOS ids, max length, the other criteria or None) of a prepared `StoppingCriteriaList`."""
+    eos, max_length, others = set(), None, StoppingCriteriaList()
+    for criterion in stopping_criteria or []:
+        if isinstance(criterion, EosTokenCriteria):
+            eos |= set(criterion.eos_token_id.flatten().tolist())
+        elif isinstance(criterion, MaxLengthCriteria):
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        else:
+            others.append(criterion)
+    return eos, max_length, others if len(others) else None
+
+
+def _check_call(model, generation_config, model_kwargs) -> None:
+    """Refuse what the speculative loop cannot do, naming the option."""
+    unsupported = {
+        "num_beams": generation_config.num_beams != 1,
+        "num_return_sequences": (generation_config.num_return_sequences or 1) != 1,
+        "output_attentions": bool(generation_config.output_attentions),
+        "output_hidden_states": bool(generation_config.output_hidden_states),
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            raise ValueError(
+                f"Speculative decoding with a DSpark drafter does not support `{name}` "
+                f"(got {getattr(generation_config, name)!r}); drop it or decode without the drafter."
+            )
+    if model.config.is_encoder_decoder:
+        raise ValueError("Speculative decoding with a DSpark drafter needs a decoder-only target.")
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
+    if extra:
+        raise ValueError(f"Speculative decoding with a DSpark drafter takes text input only; unsupported: {extra}.")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            "Speculative decoding with a DSpark drafter starts from the prompt; continuing a filled `cache` is not "
+            "supported. Pass the whole sequence as the prompt instead."
+        )
+
+
+# processors that need the whole batch, or a batch index, in one call; rows here are processed one by one
+_BATCH_PROCESSORS = {
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+}
+
+
+def _check_processors(processors, batch_size: int) -> None:
+    for processor in processors or []:
+        option = _BATCH_PROCESSORS.get(type(processor).__name__)
+        if option == "guidance_scale" or (option is not None and batch_size > 1):
+            raise ValueError(
+                f"Speculative decoding with a DSpark drafter processes each row's logits on their own, which "
+                f"`{option}` does not allow{' at batch size > 1' if option != 'guidance_scale' else ''}; drop it, "
+                "or decode without the drafter."
+            )
+
+
+def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[list[int], list[int]]]:
+    """(padding, prompt) per row of a left-padded batch."""
+    ids = input_ids.tolist()
+    if attention_mask is None:
+        return [([], row) for row in ids]
+    mask = attention_mask.bool().tolist()
+    out = []
+    for row, keep in zip(ids, mask):
+        pads = keep.index(True) if True in keep else len(keep)
+        if not all(keep[pads:]) or pads == len(keep):
+            raise ValueError(
+                "Speculative decoding needs left-padded prompts (padding first, then every prompt token), each with "
+                "at least one token; set `tokenizer.padding_side = 'left'`."
+            )
+        out.append((row[:pads], row[pads:]))
+    return out
+
+
+@torch.no_grad()
+def speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    drafter=None,
+    token_streamer=None,
+    target_tokenizer=None,
+    verify_policy: str | None = None,
+    **model_kwargs,
+):
+    """The decoding loop of `generate()` with a drafter (pass it as `custom_generate=`, with `drafter=`).
+
+    input_ids (B, L), left-padded per `attention_mask`. Each row is decoded speculatively on its own budget and
+    stops where plain decoding stops it (EOS, length, stop strings, user criteria); the batch's output is
+    `generate()`'s: (B, L + n) with finished rows padded, or a `GenerateDecoderOnlyOutput` with
+    `return_dict_in_generate` (`scores` / `logits` per new token are the target's processed logits; rows that have
+    finished get zeros). `token_streamer`: a streamer for batch 1; `target_tokenizer` checks the pairing;
+    `verify_policy` overrides the drafter's. The drafter's `generation_stats` holds the call's statistics.
+    """
+    if not is_drafter(drafter):
+        raise TypeError(
+            "speculative_generate needs `drafter=` one of this package's drafters (DSpark or EAGLE-3), got "
+            f"{type(drafter).__name__}."
+        )
+    _check_call(model, generation_config, model_kwargs)
+    drafter.config.check_target(model.config, target_tokenizer)
+    eos, max_length, others = _split_stopping(stopping_criteria)
+    max_length = generation_config.max_length if max_length is None else max_length
+    processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+    _check_processors(processors, input_ids.shape[0])
+    keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    if generation_config.return_dict_in_generate and generation_config.output_logits:
+        raise ValueError("`output_logits` is not supported with a DSpark drafter; use `output_scores`.")
+    if token_streamer is not None:
+        token_streamer.put(input_ids.cpu())
+    rows = [
+        _GenerateRow(
+            padding,
+            prompt,
+            processors=processors,
+            others=others,
+            eos=eos,
+            max_length=max_length,
+            do_sample=bool(generation_config.do_sample),
+            keep_scores=keep_scores,
+            streamer=token_streamer,
+            block_size=drafter.config.block_size,
+        )  # fmt: skip
+        for padding, prompt in _prompts(input_ids, model_kwargs.get("attention_mask"))
+    ]
+    policy = VerifyPolicy.for_drafter(drafter, model, verify_policy, max_rows=len(rows))
+    decoder = SpeculativeDecoder(model, drafter, policy=policy)
+    decoder.prefill(rows)
+    while decoder.rows:
+        decoder.step()
+        decoder.retire()
+        if not eos:  # plain decoding pads nothing without EOS: a stopped row decodes on until every row stopped
+            _settle_length(rows, decoder)
+    if token_streamer is not None:
+        token_streamer.end()
+    drafter.generation_stats = functools.reduce(
+        DSparkGenerationStats.merge, [row.stats for row in rows[1:]], rows[0].stats
+    )
+    return _output(input_ids, rows, generation_config, eos)
+
+
+def _settle_length(rows: list[_GenerateRow], decoder: SpeculativeDecoder) -> None:
+    """Once every row has stopped, the batch's length is the latest stop: rows short of it decode on to it."""
+    if any(row.stopped_at is None for row in rows) or rows[0].limit is not None:
+        return
+    limit = max(row.stopped_at for row in rows)
+    for row in rows:
+        row.limit = limit
+        if row.length >= limit:
+            row.finished = True
+            cut = row.length - limit  # tokens it took past the batch's end
+            if cut:
+                del row.output[-cut:], row.seq[-cut:]
+    decoder.retire()
+
+
+def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int]):
+    """`generate()`'s return value: every row padded to the longest (with the pad id, else the first EOS id)."""
+    pad = generation_config.pad_token_id
+    pad = (min(eos) if eos else 0) if pad is None else pad
+    pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    width = max(len(row.output) for row in rows)
+    new = torch.tensor([row.output + [pad] * (width - len(row.output)) for row in rows], device=input_ids.device)
+    sequences = torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    scores = None
+    if generation_config.output_scores:
+        vocab = next(s for row in rows for s in row.scores).shape[-1] if any(row.scores for row in rows) else 0
+        zero = torch.zeros(vocab)
+        scores = tuple(
+            torch.stack([row.scores[t] if t < len(row.scores) else zero.to(row.scores[0]) for row in rows])
+            for t in range(width)
+        )
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
+
+
+# -- routing generate(assistant_model=<drafter>) -----------------------------------------------------------------
+
+
+def _routed_kwargs(model, kwargs: dict) -> dict:
+    """`generate()` keyword arguments with `assistant_model=<drafter>` turned into the explicit custom_generate
+    form."""
+    kwargs = dict(kwargs)
+    drafter = kwargs.pop("assistant_model")
+    tokenizer = kwargs.pop("tokenizer", None)
+    drafter.config.check_target(model.config, tokenizer)  # before transformers' own checks, with our message
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("Pass either a DSpark `assistant_model` or `custom_generate`, not both.")
+    if kwargs.pop("assistant_tokenizer", None) is not None:
+        raise ValueError(
+            "A DSpark drafter shares the target's tokenizer; `assistant_tokenizer` (universal assisted decoding) "
+            "does not apply. Drop it."
+        )
+    kwargs.update(custom_generate=speculative_generate, drafter=drafter, target_tokenizer=tokenizer)
+    kwargs["token_streamer"] = kwargs.pop("streamer", None)
+    config = kwargs.get("generation_config")
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=` to generate().")
+        if getattr(config, "stop_strings", None):
+            config = kwargs["generation_config"] = config.__class__.from_dict(config.to_dict())
+            config.stop_strings = None
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        kwargs["stopping_criteria"] = criteria
+    return kwargs
+
+
+def generate(model, *args, **kwargs):
+    """`model.generate(*args, **kwargs)` with `assistant_model=<a drafter of this package>` run speculatively through
+    the public hook; any other call is transformers' own. Also the Hub `custom_generate/generate.py` entry point."""
+    if is_drafter(kwargs.get("assistant_model")):
+        kwargs = _routed_kwargs(model, kwargs)
+    return _original_generate(model, *args, **kwargs)
+
+
+def _original_generate(model, *args, **kwargs):
+    method = GenerationMixin.generate
+    return getattr(method, "_dspark_original", method)(model, *args, **kwargs)
+
+
+def install() -> None:
+    """Route `generate(assistant_model=<drafter of this package>)` through `speculative_generate` for every model, by
+    wrapping the public `GenerationMixin.generate` once. Idempotent; other calls are untouched."""
+    check_transformers_version()
+    current = GenerationMixin.generate
+    if getattr(current, _MARKER, False):
+        return
+
+    @functools.wraps(current)
+    def routed(self, *args, **kwargs):
+        if is_drafter(kwargs.get("assistant_model")):
+            kwargs = _routed_kwargs(self, kwargs)
+        return current(self, *args, **kwargs)
+
+    setattr(routed, _MARKER, True)
+    routed._dspark_original = current
+    GenerationMixin.generate = routed
+
+
+def uninstall() -> None:
+    """Undo `install()`."""
+    current = GenerationMixin.generate
+    if getattr(current, _MARKER, False):
+        GenerationMixin.generate = current._dspark_original
+
+
+__all__ = ["generate", "install", "is_drafter", "speculative_generate", "uninstall"]

@@ -1,0 +1,96 @@
+"""The target's attention in verify passes: grouped-query attention without copying the cache, on the CPU.
+
+A verify pass runs the target on k + 1 >= 2 query positions over its cache. For grouped-query models (fewer
+key/value heads than query heads: Llama 3, Qwen3, Mistral, Gemma, SmolLM2), transformers' "sdpa" attention avoids
+repeating the keys and values in two cases only: SDPA's own GQA where the backend takes it without a mask, and a
+packing of the heads for a single query position (plain decoding). A verify pass is neither, so every layer copies
+its whole key and value cache `num_key_value_groups` times (`repeat_kv`) before the product. On the CPU,
+`scaled_dot_product_attention(..., enable_gqa=True)` takes the mask and the unrepeated cache, and gives the same
+values (bit-identical logits on SmolLM2-135M, 9 query heads and 3 key/value heads, at 2–8 rows) without the copies
+(a verify forward 7–11 % cheaper there; docs/results.md, "Attention without repeated keys").
+
+`ATTN_IMPLEMENTATION` is registered with transformers' `AttentionInterface` (the function below) and
+`AttentionMaskInterface` (sdpa's mask). `with routed(model):` points a target whose `config._attn_implementation`
+is "sdpa" at it for one verify pass and restores "sdpa" on exit (`verify_head.verify_kernels` does this). Outside a
+verify pass the model is untouched; within one, everything but many-query GQA with a mask on the
+CPU still goes to transformers' own `sdpa_attention_forward`. Set `ENABLED = False` to turn it off.
+"""
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+
+ENABLED = True
+ATTN_IMPLEMENTATION = "dspark_verify_sdpa"
+
+
+def verify_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`sdpa_attention_forward`, with SDPA's grouped-query attention for several queries over a masked CPU cache.
+
+    query (B, H, q, d), key and value (B, H_kv, L, d), attention_mask (B or 1, 1, q, L) -> ((B, q, H, d), None).
+    """
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    if (
+        n_rep == 1
+        or query.shape[2] == 1  # transformers packs the heads of a single query already
+        or query.device.type != "cpu"
+        or not isinstance(attention_mask, torch.Tensor)  # no mask: its own is_causal and GQA paths
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+        or kwargs.get("output_attentions")
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    # Deviation from sdpa_attention_forward: enable_gqa, not repeat_kv (with a mask, is_causal is False there too)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, verify_sdpa_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def routable(model) -> bool:
+    """Whether `route` would switch this model's attention: "sdpa", one config (no sub-configs), CPU parameters."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "sub_configs", None):
+        return False  # a composite model's sub-configs may differ; leave them alone
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTN_IMPLEMENTATION):
+        return False
+    parameter = next(model.parameters(), None)
+    return parameter is not None and parameter.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def routed(model):
+    """Within the block, an "sdpa" model that `routable` accepts attends through `ATTN_IMPLEMENTATION`; its config
+    is restored on exit (also after an exception). Any other model, or `ENABLED = False`, is left alone."""
+    if not (ENABLED and routable(model)) or model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        yield
+        return
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "routable", "routed", "verify_sdpa_attention_forward"]

@@ -1,0 +1,1 @@
+"""The batched Engine, its requests, the OpenAI-compatible protocol and HTTP server, the load benchmark."""
