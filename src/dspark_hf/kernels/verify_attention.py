@@ -7,7 +7,7 @@ packing of the heads for a single query position (plain decoding). A verify pass
 its whole key and value cache `num_key_value_groups` times (`repeat_kv`) before the product. On the CPU,
 `scaled_dot_product_attention(..., enable_gqa=True)` takes the mask and the unrepeated cache, and gives the same
 values (bit-identical logits on SmolLM2-135M, 9 query heads and 3 key/value heads, at 2–8 rows) without the copies
-(a verify forward 7–11 % cheaper there; docs/results.md, "Attention without repeated keys").
+(a verify forward 7–11 % cheaper there; docs/history.md, "Attention without repeated keys").
 
 `ATTN_IMPLEMENTATION` is registered with transformers' `AttentionInterface` (the function below) and
 `AttentionMaskInterface` (sdpa's mask). `with routed(model):` points a target whose `config._attn_implementation`

@@ -36,7 +36,7 @@ from .verify_attention import routable, routed  # (also how remote-code loading 
 ENABLED = True
 VERSION = 3  # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear, 3 = and sdpa's GQA unrepeated
 MIN_ROWS = 2
-MAX_ROWS_HEAD = 8  # the LM head: no gain beyond 8 rows on 1 thread (docs/results.md, "The verify LM head")
+MAX_ROWS_HEAD = 8  # the LM head: no gain beyond 8 rows on 1 thread (docs/history.md, "The verify LM head")
 MAX_ROWS = 5  # the layers' projections: slower from 6 rows on 1 thread
 
 
