@@ -10,18 +10,19 @@ import pytest
 import torch
 
 from conftest import make_target
-from dspark_hf.training import prompts
 from dspark_hf.training.dataset import TokenDataset
 from dspark_hf.training.generate_data import DataConfig, build_dataset, finalize_dataset, generate_batch
-from dspark_hf.training.prompts import (
-    SOURCE_FUNCTIONS,
-    EvalGuard,
-    build_prompts,
+from dspark_hf.training.sources import SOURCE_FUNCTIONS, build_prompts, corpora
+from dspark_hf.training.sources import human as human_source
+from dspark_hf.training.sources.human import (
+    human_prompts,
     human_questions,
-    is_heldout,
-    normalize,
-    prompt_text,
+    numbered_faq_questions,
+    pod_faq_questions,
+    rst_faq_questions,
+    sharegpt_first_turns,
 )
+from dspark_hf.training.sources.identity import EvalGuard, is_heldout, normalize, prompt_text
 from helpers import char_tokenizer
 
 
@@ -116,13 +117,13 @@ def _sharegpt(conversations, truncate=0):
 
 
 def test_faq_and_sharegpt_parsers_on_fixtures():
-    assert prompts.rst_faq_questions(RST_FAQ) == ["What is Spam?", "How do I open a tin with os.open?"]
-    assert prompts.pod_faq_questions(POD_FAQ) == [
+    assert rst_faq_questions(RST_FAQ) == ["What is Spam?", "How do I open a tin with os.open?"]
+    assert pod_faq_questions(POD_FAQ) == [
         "How do I read a file into a string?",
         "Why don't my <<HERE documents work?",
         "What is $x->{y} and perlref?",
     ]
-    assert prompts.numbered_faq_questions(NUMBERED_FAQ) == [
+    assert numbered_faq_questions(NUMBERED_FAQ) == [
         "What is this FAQ?",
         "What is a deb package and how do I install one on my computer?",
     ]
@@ -134,16 +135,16 @@ def test_faq_and_sharegpt_parsers_on_fixtures():
         [{"from": human, "value": 'Explain {braces} and "quotes" in JSON'}, {"from": human, "value": "more"}],
         [{"from": human, "value": "This last conversation is cut off by the truncation"}],
     ]
-    assert list(prompts.sharegpt_first_turns(_sharegpt(convs))) == [
+    assert list(sharegpt_first_turns(_sharegpt(convs))) == [
         "Write a poem about my cat",
         'Explain {braces} and "quotes" in JSON',
         "This last conversation is cut off by the truncation",
     ]
-    assert list(prompts.sharegpt_first_turns(_sharegpt(convs, truncate=30))) == [
+    assert list(sharegpt_first_turns(_sharegpt(convs, truncate=30))) == [
         "Write a poem about my cat",
         'Explain {braces} and "quotes" in JSON',
     ]
-    assert list(prompts.sharegpt_first_turns("")) == []
+    assert list(sharegpt_first_turns("")) == []
 
 
 @pytest.fixture
@@ -160,10 +161,10 @@ def human_corpora(tmp_path, monkeypatch):
     users += ["hi", users[3], "x " * 1500, "\u4f60\u597d\u4f60\u597d \u4f60\u597d \u4e16\u754c\u4f60\u597d"]
     convs = [[{"from": "human", "value": u}, {"from": "gpt", "value": "..."}] for u in users]
     (tmp_path / "sharegpt.json").write_text(_sharegpt(convs))
-    monkeypatch.setattr(prompts, "DOC_DIR", str(tmp_path / "doc"))
-    monkeypatch.setattr(prompts, "PERL_DIR", str(tmp_path / "perl"))
-    monkeypatch.setattr(prompts, "DEBIAN_FAQ_FILE", str(tmp_path / "debian-faq.en.txt"))
-    monkeypatch.setattr(prompts, "SHAREGPT_FILE", str(tmp_path / "sharegpt.json"))
+    monkeypatch.setattr(corpora, "DOC_DIR", str(tmp_path / "doc"))
+    monkeypatch.setattr(human_source, "PERL_DIR", str(tmp_path / "perl"))
+    monkeypatch.setattr(human_source, "DEBIAN_FAQ_FILE", str(tmp_path / "debian-faq.en.txt"))
+    monkeypatch.setattr(human_source, "SHAREGPT_FILE", str(tmp_path / "sharegpt.json"))
     human_questions.cache_clear()
     yield tmp_path
     human_questions.cache_clear()
@@ -180,9 +181,9 @@ def test_human_source_uses_peoples_questions_verbatim(human_corpora):
     assert "Perl question: How do I read a file into a string?" in texts
     assert "Debian question: What is a deb package and how do I install one on my computer?" in texts
     assert "Question number 7: how would you plan a trip to city 7?" in texts
-    records = list(prompts.human_prompts(0))
+    records = list(human_prompts(0))
     assert len(records) == len(pool)  # finite: each question once
-    assert records == list(prompts.human_prompts(0)) and records != list(prompts.human_prompts(1))
+    assert records == list(human_prompts(0)) and records != list(human_prompts(1))
     assert all(r["source"] == "human" and r["messages"][0]["role"] == "user" for r in records)
     # A plan that asks for more than the source has is topped up by the other sources.
     plan = build_prompts(400, sources=["human", "math"], seed=0)
@@ -190,8 +191,9 @@ def test_human_source_uses_peoples_questions_verbatim(human_corpora):
 
 
 def test_human_source_is_empty_without_its_corpora(tmp_path, monkeypatch):
-    for name in ("DOC_DIR", "PERL_DIR", "DEBIAN_FAQ_FILE", "SHAREGPT_FILE"):
-        monkeypatch.setattr(prompts, name, str(tmp_path / "missing"))
+    monkeypatch.setattr(corpora, "DOC_DIR", str(tmp_path / "missing"))
+    for name in ("PERL_DIR", "DEBIAN_FAQ_FILE", "SHAREGPT_FILE"):
+        monkeypatch.setattr(human_source, name, str(tmp_path / "missing"))
     human_questions.cache_clear()
     try:
         assert human_questions() == ()

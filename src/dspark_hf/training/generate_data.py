@@ -2,7 +2,7 @@
 
 Two kinds of sequences, both stored as `TokenDataset`s (`train.npz`, `heldout.npz`):
 
-(a) **Regenerated responses**: prompts from `prompts.build_prompts`, rendered with the tokenizer's chat template,
+(a) **Regenerated responses**: prompts from `sources.build_prompts`, rendered with the tokenizer's chat template,
     answered by the target itself (batched greedy decoding with a KV cache and left padding; optionally sampling
     with the target's recommended settings). Stored as prompt + response with `loss_start` = prompt length.
 (b) **Teacher-forced text** (`teacher_forced_tokens > 0`): windows of plain text from the local corpora, no
@@ -14,7 +14,7 @@ Work is split into chunks of `chunk_size` prompts. Each finished chunk is writte
 killed run continues with the first chunk that is not done. The prompt plan is written once (`prompts.jsonl.gz`;
 runs made before plans were compressed keep their `prompts.jsonl`) and reused on resume. When every chunk is done
 (or on `finalize=True`), the shards are merged in chunk order into `train.npz` / `heldout.npz` (held-out by a hash
-of the prompt text, see `prompts.is_heldout`) plus `stats.json`.
+of the prompt text, see `sources.identity.is_heldout`) plus `stats.json`.
 """
 
 import dataclasses
@@ -33,7 +33,8 @@ from transformers.utils import logging
 
 from ..utils.files import read_jsonl
 from .dataset import TokenDataset
-from .prompts import SOURCES, EvalGuard, build_prompts, is_heldout, prompt_text, save_jsonl, text_documents
+from .sources import SOURCES, build_prompts, save_jsonl, text_documents
+from .sources.identity import EvalGuard, is_heldout, prompt_text
 
 
 logger = logging.get_logger(__name__)
