@@ -10,7 +10,7 @@ every row:
            survival as it is sampled (skipped when the draft gate expects a plain step to be faster)
   choose   the policy picks ℓ_r drafts per row (fixed / threshold / Algorithm 1), from survivals only
   verify   one target forward on (B, W = max ℓ_r + 1) tokens, [anchor, drafts] per row, over the ragged cache, with
-           the CPU verify kernels scoped to this one forward (`verify_head.verify_kernels`)
+           the CPU verify kernels scoped to this one forward where they pay (`verify_head.KernelChoice`)
   accept   each slot's target logits processed with that slot's own prefix; greedy: the longest matching prefix
            and the target's token after it; sampling: exact rejection sampling against the draft distribution
   commit   accepted drafts + the bonus token go to each row (which clips at its stop); rejected and padding slots
@@ -23,10 +23,11 @@ block or batch size when sampling runs to the end of the block (see docs/archite
 
 import inspect
 import time
+from contextlib import nullcontext
 
 import torch
 
-from ..kernels.verify_head import eligible_linears, verify_kernels
+from ..kernels.verify_head import eligible_linears, kernel_choice
 from .acceptance import accept_greedy, accept_speculative_sampling
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
@@ -81,6 +82,8 @@ class SpeculativeDecoder:
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
         self._linears = eligible_linears(target)  # kept here (never on the target) for `verify_kernels`
+        # the CPU verify kernels, where this machine's verifies measured faster with them (never on an accelerator)
+        self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []
         self.counts = dict.fromkeys(
@@ -227,7 +230,7 @@ class SpeculativeDecoder:
         slots = torch.arange(width, device=self.device)
         position_ids = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None] + slots
         mask = self.target_cache.attention_mask(slots[None] <= lengths[:, None])  # (B, T + W)
-        with verify_kernels(self.target, self._linears):
+        with self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext():
             out = self.target(
                 input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
                 output_hidden_states=self.taps, **{self.cache_arg: self.target_cache.cache},

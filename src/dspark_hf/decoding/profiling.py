@@ -9,6 +9,7 @@ takes a quick profile on the fly (`sps_for`).
 Imports only torch, transformers and tqdm at module level (matplotlib lazily, for `plot_profile`).
 """
 
+import contextlib
 import inspect
 import json
 import math
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
+from ..kernels import verify_head
 from ..kernels.verify_head import eligible_linears, verify_kernels, version
 from .scheduler import SPS
 
@@ -106,6 +108,11 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def _kernels_may_lose(rows: int) -> bool:
+    """Whether a verify of `rows` rows is timed without the kernels too (as `verify_head.KernelChoice` would)."""
+    return verify_head.MEASURE and verify_head.MIN_ROWS <= rows <= verify_head.MAX_ROWS_HEAD
+
+
 @torch.no_grad()
 def profile_target(
     target,
@@ -125,6 +132,8 @@ def profile_target(
     k or wider); and `sps` {B: 1000 / median ms} keyed by the verify-batch token count B = b·k (anchors included,
     Algorithm 1's B), taken from batch size 1 (else the smallest batch size profiled); with several batch sizes
     `sps_by_batch` {b: {B: steps/s}} holds them all. Token ids are random (own generator, the global RNG is untouched).
+    Where the CPU verify kernels can act, each size is timed with and without them and the faster counts, as in the
+    decode loops (`verify_head.KernelChoice`); `verify_kernels_faster` records which won.
     """
     lengths = sorted({int(k) for k in lengths})
     batch_sizes = sorted({int(b) for b in batch_sizes})
@@ -150,30 +159,37 @@ def profile_target(
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
 
-    measured_ms, verify_ms, sps_by_batch = {}, {}, {}
+    measured_ms, verify_ms, sps_by_batch, kernels_used = {}, {}, {}, {}
     bar = tqdm(total=len(batch_sizes) * (warmup + repeats), desc="profiling target", disable=not progress)
     try:
         for b in batch_sizes:
             cache = DynamicCache(config=target.config)
             target(input_ids=random_ids(b, context_len), use_cache=True, **{cache_arg: cache})
-            times = {k: [] for k in lengths}
+            # with and without the verify kernels where they can act (`KernelChoice`: decode loops keep the faster)
+            ways = {k: (True, False) if linears and _kernels_may_lose(b * k) else (True,) for k in lengths}
+            times = {(k, way): [] for k in lengths for way in ways[k]}
             # round robin over the lengths: a burst of load on the machine lands on every length alike instead of
             # on a few neighbouring ones
             for i in range(warmup + repeats):
                 for k in lengths:
-                    ids = random_ids(b, k)
-                    _sync(device)
-                    start = time.perf_counter()
-                    with verify_kernels(target, linears):
-                        target(input_ids=ids, use_cache=True, **{cache_arg: cache})
-                    _sync(device)
-                    elapsed = time.perf_counter() - start
-                    cache.crop(-k)
-                    if i >= warmup:
-                        times[k].append(elapsed * 1000.0)
+                    for way in ways[k]:
+                        ids = random_ids(b, k)
+                        _sync(device)
+                        start = time.perf_counter()
+                        with verify_kernels(target, linears) if way else contextlib.nullcontext():
+                            target(input_ids=ids, use_cache=True, **{cache_arg: cache})
+                        _sync(device)
+                        elapsed = time.perf_counter() - start
+                        cache.crop(-k)
+                        if i >= warmup:
+                            times[k, way].append(elapsed * 1000.0)
                 bar.update(1)
-            medians = [statistics.median(times[k]) for k in lengths]
-            sps_by_batch[b] = {}
+            medians, sps_by_batch[b] = [], {}
+            for k in lengths:
+                best = min(ways[k], key=lambda way: statistics.median(times[k, way]))
+                medians.append(statistics.median(times[k, best]))
+                if len(ways[k]) > 1:
+                    kernels_used[str(k) if b == 1 else f"{b},{k}"] = best
             for k, raw, padded in zip(lengths, medians, padded_costs(medians)):
                 key = str(k) if b == 1 else f"{b},{k}"
                 measured_ms[key], verify_ms[key] = raw, padded
@@ -186,6 +202,7 @@ def profile_target(
         "dtype": _dtype_name(dtype),
         "torch_threads": torch.get_num_threads(),
         "verify_head": version(target),  # the few-rows products the verifies ran with (0: none)
+        "verify_kernels_faster": kernels_used,  # per size where both were timed: whether the kernels won
         "target": fingerprint,
         "context_len": context_len,
         "warmup": warmup,

@@ -24,6 +24,9 @@ speculation itself buys on such a CPU.
 """
 
 import contextlib
+import statistics
+import time
+import weakref
 
 import torch
 from torch import nn
@@ -34,6 +37,8 @@ from .verify_attention import routable, routed  # (also how remote-code loading 
 
 
 ENABLED = True
+MEASURE = True  # decode loops keep the kernels only at row counts where their own verifies ran faster with them
+TRIALS = 3  # verifies timed with and without the kernels, per row count, before the choice is made
 VERSION = 3  # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear, 3 = and sdpa's GQA unrepeated
 MIN_ROWS = 2
 MAX_ROWS_HEAD = 8  # the LM head: no gain beyond 8 rows on 1 thread (docs/history.md, "The verify LM head")
@@ -114,6 +119,60 @@ def verify_kernels(model, linears: list[nn.Linear] | None = None):
             object.__setattr__(module, "__class__", nn.Linear)
 
 
+class KernelChoice:
+    """Whether the verify kernels pay on this machine, per row count of a verify pass, measured on the verify passes
+    themselves: the few-rows products win by several times on some CPUs and lose on others (docs/results.md).
+
+    The first `TRIALS` passes at a row count alternate with and without the kernels (with first); from then on the
+    side with the lower median time is kept. Row counts where the products never apply (above `MAX_ROWS_HEAD`) keep
+    the kernels without a trial (only the attention routing acts there). `kernel_choice(model)` holds one per target
+    for as long as the target lives, beside it rather than on it.
+    """
+
+    def __init__(self, trials: int = TRIALS):
+        self.trials = trials
+        self.seconds: dict[int, dict[bool, list[float]]] = {}  # rows -> {with kernels: [s], without: [s]}
+        self.chosen: dict[int, bool] = {}  # rows -> whether verifies with that many rows use the kernels
+
+    def use(self, rows: int) -> bool:
+        """Whether the next verify of `rows` rows runs with the kernels."""
+        if rows in self.chosen:
+            return self.chosen[rows]
+        if not (MEASURE and MIN_ROWS <= rows <= MAX_ROWS_HEAD):
+            return True
+        times = self.seconds.setdefault(rows, {True: [], False: []})
+        return len(times[True]) <= len(times[False])
+
+    def record(self, rows: int, used: bool, seconds: float) -> None:
+        """The time of a verify of `rows` rows run `use(rows)`'s way."""
+        if rows in self.chosen or rows not in self.seconds:
+            return
+        times = self.seconds[rows]
+        times[used].append(seconds)
+        if min(len(times[True]), len(times[False])) >= self.trials:
+            self.chosen[rows] = statistics.median(times[True]) < statistics.median(times[False])
+
+    @contextlib.contextmanager
+    def verify(self, model, rows: int, linears: list[nn.Linear] | None = None):
+        """`verify_kernels(model, linears)` where `use(rows)` says so, timing the block for `record`."""
+        used = ENABLED and self.use(rows)
+        start = time.perf_counter()
+        with verify_kernels(model, linears) if used else contextlib.nullcontext():
+            yield
+        self.record(rows, used, time.perf_counter() - start)
+
+
+_CHOICES: "weakref.WeakKeyDictionary[nn.Module, KernelChoice]" = weakref.WeakKeyDictionary()
+
+
+def kernel_choice(model) -> KernelChoice:
+    """The `KernelChoice` of `model`'s verify passes (kept beside the model while it lives, never on it)."""
+    choice = _CHOICES.get(model)
+    if choice is None:
+        choice = _CHOICES[model] = KernelChoice()
+    return choice
+
+
 def _pad_step(kwargs: dict) -> bool:
     """Turn the keyword inputs of a one-token step with a filled cache into a two-token step, in place; returns
     whether it did (a prefill, an embeddings call or a positional call is left alone)."""
@@ -177,4 +236,14 @@ def padded_steps(model):
             padded["scope"].close()
 
 
-__all__ = ["VerifyHead", "VerifyLinear", "eligible", "eligible_linears", "padded_steps", "verify_kernels", "version"]
+__all__ = [
+    "KernelChoice",
+    "VerifyHead",
+    "VerifyLinear",
+    "eligible",
+    "eligible_linears",
+    "kernel_choice",
+    "padded_steps",
+    "verify_kernels",
+    "version",
+]
