@@ -106,3 +106,40 @@ def test_no_upward_imports():
 def test_the_checks_can_fail():
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     assert layer_of("cli") > layer_of("decoding.core") > layer_of("models.modeling_dspark")
+
+
+def resolve(dotted: str):
+    """The object a dotted `dspark_hf.a.b.C.d` names: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def test_every_name_and_command_the_docs_show_exists():
+    import re
+
+    from dspark_hf.cli import build_parser
+
+    docs = [PACKAGE.parents[1] / "README.md", *sorted((PACKAGE.parents[1] / "docs").glob("*.md"))]
+    text = "\n".join(path.read_text(encoding="utf-8") for path in docs)
+    names = set(re.findall(r"\bdspark_hf(?:\.[A-Za-z_]\w*)+", text))
+    assert len(names) > 10
+    missing = []
+    for name in sorted(names):
+        try:
+            resolve(name)
+        except (ImportError, AttributeError):
+            missing.append(name)
+    assert missing == []
+    commands = set(re.findall(r"`dspark-hf (\w+)", text))
+    subparsers = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert commands and commands <= set(subparsers.choices), commands - set(subparsers.choices)
