@@ -21,7 +21,7 @@ class SPSCurve:
     `lookup(max_tokens)` prices a verify of B tokens at the best rate of any width in [B, max_tokens] (the most
     tokens this verify can hold: every draft sampled, plus the anchors), and `width` names that cheapest width: a
     verify can be padded with the block's further drafts. On hardware where some widths are slower than wider ones
-    (this CPU: 2 and 3 tokens cost more than 4 or 5), Algorithm 1 then sees what a verify really costs, and its
+    (on some CPUs 2 and 3 tokens cost more than 4 or 5), Algorithm 1 then sees what a verify really costs, and its
     greedy, which cannot stop inside a stretch of equal rates while survivals are positive, ends on the cheapest
     width by itself. Each reach's padded table is built once and kept: the Engine asks every sampling step.
     """

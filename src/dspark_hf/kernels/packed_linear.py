@@ -3,7 +3,7 @@
 A draft pass multiplies a handful of rows (the block's 7 slots, a few context positions, 1–7 positions through the
 LM head) by weights that do not change between calls. On the CPU, torch's `F.linear` is slow for exactly such
 shapes. oneDNN computes them near memory speed once the weight has been reordered into its blocked layout, and bf16
-halves the memory traffic where the CPU computes it natively. On the 2-core development CPU this about halved the
+halves the memory traffic where the CPU computes it natively. On the development CPU this about halved the
 default drafter's drafting round (docs/results.md has the dated numbers).
 
 `pack_linears(model)` turns a model's CPU `nn.Linear`s into `PackedLinear`s. These compute through a prepacked
