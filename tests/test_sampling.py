@@ -65,13 +65,15 @@ def chi_square_rejects(samples: list[tuple], probs: dict[tuple, float], z: float
     return stat > critical, stat, critical
 
 
-def draw(target, drafter, n, **sampling) -> list[tuple]:
+def draw(target, drafter, n, rows=1, **sampling) -> list[tuple]:
+    """`n` samples of the first `N_TOKENS` generated tokens, `rows` independent rows of the prompt per generate()."""
     samples = []
-    for _ in range(n):
+    for _ in range(-(-n // rows)):
         # 5 new tokens so that the first verify round drafts γ = 3 tokens for x2..x4
-        out = target.generate(PROMPT, do_sample=True, max_new_tokens=5, assistant_model=drafter, **sampling)
-        samples.append(tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + N_TOKENS].tolist()))
-    return samples
+        ids = PROMPT.repeat(rows, 1)
+        out = target.generate(ids, do_sample=True, max_new_tokens=5, assistant_model=drafter, **sampling)
+        samples += [tuple(row[PROMPT.shape[1] : PROMPT.shape[1] + N_TOKENS].tolist()) for row in out]
+    return samples[:n]
 
 
 PADDED_SPS = {1: 10.0, 2: 4.0, 3: 8.0, 4: 5.0}
@@ -92,35 +94,40 @@ def setup_models(kind="dspark"):
     return target, drafter
 
 
-def run_check(n, temperature=1.0, top_k=None, top_p=None, kind="dspark"):
+def run_check(n, temperature=1.0, top_k=None, top_p=None, kind="dspark", rows=50):
+    """Rows of one batch are independent draws (each row's output is its own plain distribution, tested below), so
+    most checks draw 50 at a time; `rows=1` keeps the single-row path."""
     target, drafter = setup_models(kind)
     probs = exact_joint(target, warpers(temperature, top_k, top_p))
     torch.manual_seed(1234)
     sampling = {"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0}
-    samples = draw(target, drafter, n, **sampling)
+    samples = draw(target, drafter, n, rows=rows, **sampling)
     return chi_square_rejects(samples, probs), drafter
 
 
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)])
 def test_sampling_matches_target_distribution(sampling, kind):
-    (rejects, stat, critical), drafter = run_check(1500, kind=kind, **sampling)
+    rows = 1 if kind == "dspark" and sampling == dict(temperature=1.0) else 50  # one check on the single-row path
+    (rejects, stat, critical), drafter = run_check(1500, kind=kind, rows=rows, **sampling)
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: {kind} sampling differs from the target's distribution"
 
 
 def test_sampling_in_a_batch_matches_each_rows_target_distribution():
-    """Two rows of different lengths (left-padded) sampled together: each row's tokens follow its own distribution."""
+    """Rows of two prompts of different lengths (left-padded) sampled together: each row's tokens follow its own
+    prompt's distribution."""
     target, drafter = setup_models()
     other = torch.tensor([[3, 1]])
     ids = torch.tensor([PROMPT[0].tolist(), [0] * 3 + other[0].tolist()])
     mask = torch.tensor([[1] * 5, [0] * 3 + [1] * 2])
     torch.manual_seed(99)
     samples = ([], [])
-    for _ in range(1000):
-        out = target.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=5, assistant_model=drafter,
-                              top_k=0, top_p=1.0)  # fmt: skip
-        for row in (0, 1):
-            samples[row].append(tuple(out[row, 5 : 5 + N_TOKENS].tolist()))
+    copies = 20  # the two rows 20 times over: 40 rows a call, each an independent draw
+    for _ in range(1000 // copies):
+        out = target.generate(ids.repeat(copies, 1), attention_mask=mask.repeat(copies, 1), do_sample=True,
+                              max_new_tokens=5, assistant_model=drafter, top_k=0, top_p=1.0)  # fmt: skip
+        for i, row in enumerate(out):
+            samples[i % 2].append(tuple(row[5 : 5 + N_TOKENS].tolist()))
     for row, prompt in enumerate((PROMPT, other)):
         rejects, stat, critical = chi_square_rejects(samples[row], exact_joint(target, warpers(), prompt))
         assert not rejects, f"row {row}: chi2 {stat:.1f} > {critical:.1f}"
@@ -143,7 +150,8 @@ def test_sampling_with_a_bf16_drafter_matches_target_distribution():
 def test_sampling_with_padded_verifies_matches_target_distribution():
     """Algorithm 1 with verifies padded to the cheapest width (here 2 drafts, never 1, unless the length limit cuts
     the block) keeps the target's distribution."""
-    (rejects, stat, critical), drafter = run_check(1500, kind="dspark_padded")
+    # one row: the profile prices verifies of up to 4 tokens, a batch of rows would verify nothing
+    (rejects, stat, critical), drafter = run_check(1500, kind="dspark_padded", rows=1)
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: padded verification differs from the target's"
     assert 2 in drafter.generation_stats.verify_lengths  # it did draft and pad in the last call
 
@@ -172,5 +180,5 @@ def test_negative_control_unbiased_logits_are_detected(monkeypatch):
     monkeypatch.setattr(DSparkCandidateGenerator, "_sample", wrong_logits)
     probs = exact_joint(target, warpers())
     torch.manual_seed(1234)
-    rejects, stat, critical = chi_square_rejects(draw(target, drafter, 3000), probs)
+    rejects, stat, critical = chi_square_rejects(draw(target, drafter, 3000, rows=50), probs)
     assert rejects, f"the test failed to notice a wrong draft distribution (chi2 {stat:.1f} <= {critical:.1f})"
