@@ -140,15 +140,23 @@ def test_pipeline_with_assistant_model(target, drafter):
     assert drafter.generation_stats.num_new_tokens == 12
 
 
-def test_return_dict_with_scores(target, drafter):
-    ids = torch.randint(0, 99, (1, 5))
-    kw = dict(max_new_tokens=10, return_dict_in_generate=True, output_scores=True, repetition_penalty=1.2)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_return_dict_with_scores_and_logits(target, drafter, rows):
+    ids = torch.randint(0, 99, (rows, 5))
+    kw = dict(max_new_tokens=10, return_dict_in_generate=True, output_scores=True, output_logits=True,
+              repetition_penalty=1.2)  # fmt: skip
     ref = greedy(target, ids, **kw)
     out = greedy(target, ids, assistant_model=drafter, **kw)
     assert torch.equal(ref.sequences, out.sequences)
-    assert len(out.scores) == len(ref.scores) == 10
+    assert len(out.scores) == len(ref.scores) == len(out.logits) == len(ref.logits) == 10
     for a, b in zip(ref.scores, out.scores):
+        assert a.shape == b.shape == (rows, 99)
         assert torch.allclose(a, b, atol=1e-4)  # the processed logits each token was chosen from
+    for a, b in zip(ref.logits, out.logits):
+        assert torch.allclose(a, b, atol=1e-4)  # the raw ones (the penalty makes them differ from the scores)
+    assert not torch.allclose(out.scores[-1], out.logits[-1])
+    only_logits = greedy(target, ids, assistant_model=drafter, **{**kw, "output_scores": False})
+    assert only_logits.scores is None and len(only_logits.logits) == 10
 
 
 def test_hidden_states_are_refused_by_name(target, drafter):

@@ -137,7 +137,7 @@ class SpeculativeDecoder:
         features = self._features(out) if self.taps else None  # (n, P, m·d)
         for i, (row, token) in enumerate(zip(rows, tokens)):
             row.context = features[i, : lengths[i]] if features is not None else None  # every prompt position
-            row.commit([token], processed[i : i + 1])
+            row.commit([token], processed[i : i + 1], logits[i : i + 1])
             row.seq.append(token)
         keep = [i for i, row in enumerate(rows) if not row.finished]  # EOS or a one-token budget: done already
         if len(keep) < len(rows):
@@ -181,7 +181,7 @@ class SpeculativeDecoder:
         record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
         logits, features = self._verify(drafts)
         accepted, bonus, processed = self._accept(drafts, logits)
-        self._commit(drafts, accepted, bonus, processed, features)
+        self._commit(drafts, accepted, bonus, processed, logits, features)
         if record is not None:
             record.accepted = sum(accepted)
             RECORDERS[-1].append(record)
@@ -261,7 +261,7 @@ class SpeculativeDecoder:
                 )
         return accepted, bonus, processed
 
-    def _commit(self, drafts: Drafts, accepted, bonus, processed, features) -> None:
+    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features) -> None:
         """Append accepted drafts + bonus per row; the anchor and accepted drafts stay valid in the target cache,
         rejected and padding slots become holes."""
         width = processed.shape[1]
@@ -272,7 +272,7 @@ class SpeculativeDecoder:
         for i, row in enumerate(self.rows):
             n_acc = accepted[i]
             new = tokens[i][:n_acc] + [bonus[i]]
-            taken = row.commit(new, processed[i, : n_acc + 1])
+            taken = row.commit(new, processed[i, : n_acc + 1], logits[i, : n_acc + 1])
             row.stats.record_step(drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i])
             row.seq += new[:taken]
             if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor)

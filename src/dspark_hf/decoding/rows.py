@@ -47,9 +47,10 @@ class Row:
         """The ids `processors` see before the drafts: the committed sequence (drivers may prepend padding)."""
         return self.seq
 
-    def commit(self, tokens: list[int], scores: torch.Tensor | None = None) -> int:
+    def commit(self, tokens: list[int], scores: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> int:
         """Take tokens as plain decoding would, stopping where it stops; sets `finished`. Returns how many it took.
-        scores (n, V): the processed target logits each token was chosen from (for drivers that return them)."""
+        scores (n, V): the processed target logits each token was chosen from, logits (n, V): the same unprocessed
+        (for drivers that return them)."""
         raise NotImplementedError
 
 

@@ -48,16 +48,15 @@ class _GenerateRow(Row):
     checked on the token list; any other criterion (stop strings, user criteria) is asked token by token.
     """
 
-    def __init__(
-        self, padding, prompt, *, processors, others, eos, max_length, do_sample, keep_scores, streamer, block_size
-    ):
+    def __init__(self, padding, prompt, *, processors, others, eos, max_length, do_sample, keep, streamer, block_size):
         super().__init__(prompt, do_sample=do_sample, block_size=block_size)
         self.padding, self.others, self.eos, self.max_length = padding, others, eos, max_length
         self.processors = processors
         self.limit: int | None = None  # set when the batch's length is known and this row must reach it
         self.stopped_at: int | None = None  # padded length where its stopping criteria first fired
         self.output: list[int] = []
-        self.scores: list[torch.Tensor] | None = [] if keep_scores else None
+        # per new token, as generate() returns them: processed (`output_scores`) and raw (`output_logits`) logits
+        self.kept: dict[str, list[torch.Tensor]] = {name: [] for name in keep}
         self.streamer = streamer
 
     @property
@@ -72,7 +71,7 @@ class _GenerateRow(Row):
     def processor_ids(self) -> list[int]:
         return self.padding + self.seq
 
-    def commit(self, tokens: list[int], scores: torch.Tensor | None = None) -> int:
+    def commit(self, tokens: list[int], scores: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> int:
         taken = 0
         for j, token in enumerate(tokens[: self.remaining]):
             taken = j + 1
@@ -89,8 +88,9 @@ class _GenerateRow(Row):
         new = tokens[:taken]
         self.output += new
         self.stats.num_new_tokens = len(self.output)
-        if self.scores is not None and scores is not None:
-            self.scores += list(scores[:taken].clone())
+        for name, values in (("scores", scores), ("logits", logits)):
+            if name in self.kept and values is not None:
+                self.kept[name] += list(values[:taken].clone())
         if self.streamer is not None and new:
             self.streamer.put(torch.tensor(new))
         return taken
@@ -191,7 +191,7 @@ def speculative_generate(
     input_ids (B, L), left-padded per `attention_mask`. Each row is decoded speculatively on its own budget and
     stops where plain decoding stops it (EOS, length, stop strings, user criteria); the batch's output is
     `generate()`'s: (B, L + n) with finished rows padded, or a `GenerateDecoderOnlyOutput` with
-    `return_dict_in_generate` (`scores` / `logits` per new token are the target's processed logits; rows that have
+    `return_dict_in_generate` (`scores` / `logits` per new token: the target's processed / raw logits; rows that have
     finished get zeros). `token_streamer`: a streamer for batch 1; `target_tokenizer` checks the pairing;
     `verify_policy` overrides the drafter's. The drafter's `generation_stats` holds the call's statistics.
     """
@@ -206,9 +206,11 @@ def speculative_generate(
     max_length = generation_config.max_length if max_length is None else max_length
     processors = logits_processor if logits_processor is not None and len(logits_processor) else None
     _check_processors(processors, input_ids.shape[0])
-    keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-    if generation_config.return_dict_in_generate and generation_config.output_logits:
-        raise ValueError("`output_logits` is not supported with a DSpark drafter; use `output_scores`.")
+    keep = [
+        name
+        for name in ("scores", "logits")
+        if generation_config.return_dict_in_generate and getattr(generation_config, f"output_{name}")
+    ]
     if token_streamer is not None:
         token_streamer.put(input_ids.cpu())
     rows = [
@@ -220,7 +222,7 @@ def speculative_generate(
             eos=eos,
             max_length=max_length,
             do_sample=bool(generation_config.do_sample),
-            keep_scores=keep_scores,
+            keep=keep,
             streamer=token_streamer,
             block_size=drafter.config.block_size,
         )  # fmt: skip
@@ -267,15 +269,17 @@ def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int
     sequences = torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
     if not generation_config.return_dict_in_generate:
         return sequences
-    scores = None
-    if generation_config.output_scores:
-        vocab = next(s for row in rows for s in row.scores).shape[-1] if any(row.scores for row in rows) else 0
-        zero = torch.zeros(vocab)
-        scores = tuple(
-            torch.stack([row.scores[t] if t < len(row.scores) else zero.to(row.scores[0]) for row in rows])
-            for t in range(width)
+    per_token = {}
+    for name in rows[0].kept:
+        kept = [row.kept[name] for row in rows]
+        if not any(kept):
+            per_token[name] = ()
+            continue
+        zero = torch.zeros_like(next(v for values in kept for v in values))  # a finished row's step
+        per_token[name] = tuple(
+            torch.stack([values[t] if t < len(values) else zero for values in kept]) for t in range(width)
         )
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores)
+    return GenerateDecoderOnlyOutput(sequences=sequences, **per_token)
 
 
 # -- routing generate(assistant_model=<drafter>) -----------------------------------------------------------------
