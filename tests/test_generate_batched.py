@@ -145,7 +145,7 @@ class _Greedy(Row):
     def remaining(self):
         return self.budget - (len(self.seq) - self.stats.num_prompt_tokens)
 
-    def commit(self, tokens, scores=None, logits=None):
+    def commit(self, tokens, scores=None, logits=None, hidden_states=None):
         taken = tokens[: self.remaining]
         self.finished = len(taken) == self.remaining
         return len(taken)

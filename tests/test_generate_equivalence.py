@@ -159,10 +159,32 @@ def test_return_dict_with_scores_and_logits(target, drafter, rows):
     assert only_logits.scores is None and len(only_logits.logits) == 10
 
 
-def test_hidden_states_are_refused_by_name(target, drafter):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_return_dict_with_hidden_states(target, drafter, rows):
+    """Per new token, per layer, the hidden states of the forward that chose it, as plain generate() returns them:
+    the prompt's for the first token (left padding: zeros here, whatever plain decoding computed there), then one
+    position each."""
+    ids = torch.randint(0, 99, (rows, 6))
+    mask = torch.ones_like(ids)
+    mask[1:, :2] = 0  # left padding in the other rows
+    kw = dict(attention_mask=mask, max_new_tokens=9, return_dict_in_generate=True, output_hidden_states=True)
+    ref = greedy(target, ids, **kw)
+    out = greedy(target, ids, assistant_model=drafter, **kw)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert len(out.hidden_states) == len(ref.hidden_states) == 9
+    for step, (a, b) in enumerate(zip(ref.hidden_states, out.hidden_states)):
+        assert len(a) == len(b) == target.config.num_hidden_layers + 1
+        for layer_a, layer_b in zip(a, b):
+            assert layer_a.shape == layer_b.shape == (rows, 6 if step == 0 else 1, 32)
+            real = mask.bool() if step == 0 else torch.ones(rows, 1, dtype=torch.bool)
+            assert torch.allclose(layer_a[real], layer_b[real], atol=1e-4)
+    assert out.hidden_states[0][0][1:, :2].abs().sum() == 0  # padding positions
+
+
+def test_attentions_are_refused_by_name(target, drafter):
     ids = torch.randint(0, 99, (1, 5))
-    with pytest.raises(ValueError, match="output_hidden_states"):
-        greedy(target, ids, max_new_tokens=4, return_dict_in_generate=True, output_hidden_states=True,
+    with pytest.raises(ValueError, match="output_attentions"):
+        greedy(target, ids, max_new_tokens=4, return_dict_in_generate=True, output_attentions=True,
                assistant_model=drafter)  # fmt: skip
 
 

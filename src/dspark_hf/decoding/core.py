@@ -125,8 +125,9 @@ class SpeculativeDecoder:
         if len(set(lengths)) > 1:
             kwargs["attention_mask"] = valid.long()
         cache = RaggedCache(self.device, batch_size=len(rows))
+        hidden = bool(self.taps) or any(row.keeps_hidden_states for row in rows)
         out = self.target(
-            input_ids=ids, use_cache=True, output_hidden_states=self.taps, **kwargs, **{self.cache_arg: cache.cache}
+            input_ids=ids, use_cache=True, output_hidden_states=hidden, **kwargs, **{self.cache_arg: cache.cache}
         )
         cache.commit(valid)
         self.counts["prefills"] += 1
@@ -137,7 +138,8 @@ class SpeculativeDecoder:
         features = self._features(out) if self.taps else None  # (n, P, m·d)
         for i, (row, token) in enumerate(zip(rows, tokens)):
             row.context = features[i, : lengths[i]] if features is not None else None  # every prompt position
-            row.commit([token], processed[i : i + 1], logits[i : i + 1])
+            states = [_layers(out.hidden_states, i, 0, lengths[i])] if row.keeps_hidden_states else None
+            row.commit([token], processed[i : i + 1], logits[i : i + 1], states)
             row.seq.append(token)
         keep = [i for i, row in enumerate(rows) if not row.finished]  # EOS or a one-token budget: done already
         if len(keep) < len(rows):
@@ -179,9 +181,9 @@ class SpeculativeDecoder:
         start = _clock(self.device) if RECORDERS else 0.0
         drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
         record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
-        logits, features = self._verify(drafts)
+        logits, features, hidden = self._verify(drafts)
         accepted, bonus, processed = self._accept(drafts, logits)
-        self._commit(drafts, accepted, bonus, processed, logits, features)
+        self._commit(drafts, accepted, bonus, processed, logits, features, hidden)
         if record is not None:
             record.accepted = sum(accepted)
             RECORDERS[-1].append(record)
@@ -217,12 +219,14 @@ class SpeculativeDecoder:
                 row.hint = conditional
         return drafts
 
-    def _verify(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _verify(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """One target forward over [anchor, ℓ_r drafts] per row, padded to W = max ℓ_r + 1 and masked.
 
-        Returns logits (B, W, V) float32 and the tapped features (B, W, m·d) (None for plain decoding). Slot j of
-        row r sits at position anchor_r + j and predicts the token after it.
+        Returns logits (B, W, V) float32, the tapped features (B, W, m·d) (None for plain decoding) and, when a row
+        keeps them, every layer's hidden states (layers + 1 tensors (B, W, d)). Slot j of row r sits at position
+        anchor_r + j and predicts the token after it.
         """
+        hidden = bool(self.taps) or any(row.keeps_hidden_states for row in self.rows)
         lengths = torch.tensor(drafts.lengths, device=self.device)
         width = max(drafts.lengths) + 1
         anchors = torch.tensor([[row.seq[-1]] for row in self.rows], device=self.device)
@@ -233,10 +237,11 @@ class SpeculativeDecoder:
         with self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext():
             out = self.target(
                 input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
-                output_hidden_states=self.taps, **{self.cache_arg: self.target_cache.cache},
+                output_hidden_states=hidden, **{self.cache_arg: self.target_cache.cache},
             )  # fmt: skip
         self.counts["rounds"] += 1
-        return out.logits.to(self.device).float(), self._features(out) if self.taps else None
+        kept = out.hidden_states if any(row.keeps_hidden_states for row in self.rows) else None
+        return out.logits.to(self.device).float(), self._features(out) if self.taps else None, kept
 
     def _accept(self, drafts: Drafts, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
         """Accepted draft count and bonus token per row, and the processed target logits (B, W, V).
@@ -261,7 +266,7 @@ class SpeculativeDecoder:
                 )
         return accepted, bonus, processed
 
-    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features) -> None:
+    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features, hidden) -> None:
         """Append accepted drafts + bonus per row; the anchor and accepted drafts stay valid in the target cache,
         rejected and padding slots become holes."""
         width = processed.shape[1]
@@ -272,7 +277,10 @@ class SpeculativeDecoder:
         for i, row in enumerate(self.rows):
             n_acc = accepted[i]
             new = tokens[i][:n_acc] + [bonus[i]]
-            taken = row.commit(new, processed[i, : n_acc + 1], logits[i, : n_acc + 1])
+            states = None
+            if row.keeps_hidden_states:  # slot j's states chose token j of the round
+                states = [_layers(hidden, i, j, j + 1) for j in range(n_acc + 1)]
+            taken = row.commit(new, processed[i, : n_acc + 1], logits[i, : n_acc + 1], states)
             row.stats.record_step(drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i])
             row.seq += new[:taken]
             if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor)
@@ -298,6 +306,11 @@ class SpeculativeDecoder:
     def _features(self, out) -> torch.Tensor:
         """Tapped target layers, concatenated in `target_layer_ids` order: (B, L, m·d)."""
         return torch.cat([out.hidden_states[i].to(self.device) for i in self.taps], dim=-1)
+
+
+def _layers(hidden_states: tuple, row: int, start: int, stop: int) -> torch.Tensor:
+    """Row `row`'s positions start..stop of every layer's hidden states: (layers + 1, stop - start, d)."""
+    return torch.stack([layer[row, start:stop] for layer in hidden_states])
 
 
 def _clock(device) -> float:

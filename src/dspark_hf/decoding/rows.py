@@ -25,6 +25,7 @@ class Row:
     sampling_key: tuple | None = None
     warpers = None
     processors = None
+    keeps_hidden_states = False  # whether `commit` wants the target's hidden states of each token (all layers)
 
     def __init__(self, prompt_ids: list[int], *, do_sample: bool = False, generator=None, block_size: int = 0):
         self.seq = list(prompt_ids)
@@ -47,10 +48,13 @@ class Row:
         """The ids `processors` see before the drafts: the committed sequence (drivers may prepend padding)."""
         return self.seq
 
-    def commit(self, tokens: list[int], scores: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> int:
+    def commit(self, tokens: list[int], scores=None, logits=None, hidden_states=None) -> int:
         """Take tokens as plain decoding would, stopping where it stops; sets `finished`. Returns how many it took.
-        scores (n, V): the processed target logits each token was chosen from, logits (n, V): the same unprocessed
-        (for drivers that return them)."""
+
+        For drivers that return them: scores (n, V), the processed target logits each token was chosen from; logits
+        (n, V), the same unprocessed; hidden_states (rows with `keeps_hidden_states`), per token the target's hidden
+        states (layers + 1, positions, d) of the forward that chose it (the whole prompt for the first token).
+        """
         raise NotImplementedError
 
 

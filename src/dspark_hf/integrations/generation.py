@@ -37,7 +37,16 @@ from ..utils.compat import check_transformers_version
 logger = logging.get_logger(__name__)
 
 _MARKER = "_dspark_routing"
-_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
+_MODEL_KWARGS = {
+    "attention_mask",
+    "position_ids",
+    "cache",
+    "past_key_values",
+    "use_cache",
+    "logits_to_keep",
+    "output_hidden_states",
+    "output_attentions",
+}  # the last two: read from the generation config
 
 
 class _GenerateRow(Row):
@@ -57,6 +66,7 @@ class _GenerateRow(Row):
         self.output: list[int] = []
         # per new token, as generate() returns them: processed (`output_scores`) and raw (`output_logits`) logits
         self.kept: dict[str, list[torch.Tensor]] = {name: [] for name in keep}
+        self.keeps_hidden_states = "hidden_states" in keep  # (layers + 1, positions, d) per token
         self.streamer = streamer
 
     @property
@@ -71,7 +81,7 @@ class _GenerateRow(Row):
     def processor_ids(self) -> list[int]:
         return self.padding + self.seq
 
-    def commit(self, tokens: list[int], scores: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> int:
+    def commit(self, tokens: list[int], scores=None, logits=None, hidden_states=None) -> int:
         taken = 0
         for j, token in enumerate(tokens[: self.remaining]):
             taken = j + 1
@@ -88,9 +98,9 @@ class _GenerateRow(Row):
         new = tokens[:taken]
         self.output += new
         self.stats.num_new_tokens = len(self.output)
-        for name, values in (("scores", scores), ("logits", logits)):
+        for name, values in (("scores", scores), ("logits", logits), ("hidden_states", hidden_states)):
             if name in self.kept and values is not None:
-                self.kept[name] += list(values[:taken].clone())
+                self.kept[name] += [value.clone() for value in values[:taken]]
         if self.streamer is not None and new:
             self.streamer.put(torch.tensor(new))
         return taken
@@ -115,7 +125,6 @@ def _check_call(model, generation_config, model_kwargs) -> None:
         "num_beams": generation_config.num_beams != 1,
         "num_return_sequences": (generation_config.num_return_sequences or 1) != 1,
         "output_attentions": bool(generation_config.output_attentions),
-        "output_hidden_states": bool(generation_config.output_hidden_states),
     }
     for name, bad in unsupported.items():
         if bad:
@@ -191,8 +200,10 @@ def speculative_generate(
     input_ids (B, L), left-padded per `attention_mask`. Each row is decoded speculatively on its own budget and
     stops where plain decoding stops it (EOS, length, stop strings, user criteria); the batch's output is
     `generate()`'s: (B, L + n) with finished rows padded, or a `GenerateDecoderOnlyOutput` with
-    `return_dict_in_generate` (`scores` / `logits` per new token: the target's processed / raw logits; rows that have
-    finished get zeros). `token_streamer`: a streamer for batch 1; `target_tokenizer` checks the pairing;
+    `return_dict_in_generate` (`scores` / `logits` per new token: the target's processed / raw logits;
+    `hidden_states`: every layer's, of the forward that chose the token; rows that have finished get zeros;
+    `output_attentions` is refused: verifies attend over a cache with holes, not plain decoding's).
+    `token_streamer`: a streamer for batch 1; `target_tokenizer` checks the pairing;
     `verify_policy` overrides the drafter's. The drafter's `generation_stats` holds the call's statistics.
     """
     if not is_drafter(drafter):
@@ -208,7 +219,7 @@ def speculative_generate(
     _check_processors(processors, input_ids.shape[0])
     keep = [
         name
-        for name in ("scores", "logits")
+        for name in ("scores", "logits", "hidden_states")
         if generation_config.return_dict_in_generate and getattr(generation_config, f"output_{name}")
     ]
     if token_streamer is not None:
@@ -270,7 +281,9 @@ def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int
     if not generation_config.return_dict_in_generate:
         return sequences
     per_token = {}
-    for name in rows[0].kept:
+    if "hidden_states" in rows[0].kept:
+        per_token["hidden_states"] = _hidden_states_output(rows, input_ids.shape[1], width)
+    for name in rows[0].kept.keys() - {"hidden_states"}:
         kept = [row.kept[name] for row in rows]
         if not any(kept):
             per_token[name] = ()
@@ -280,6 +293,22 @@ def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int
             torch.stack([values[t] if t < len(values) else zero for values in kept]) for t in range(width)
         )
     return GenerateDecoderOnlyOutput(sequences=sequences, **per_token)
+
+
+def _hidden_states_output(rows: list[_GenerateRow], prompt_width: int, width: int) -> tuple:
+    """As plain `generate()` returns them: per new token, per layer, (B, positions, d); the first token's are the
+    prompt's (left-padded: padding positions hold zeros here), a finished row's later steps zeros."""
+    per_row = [row.kept["hidden_states"] for row in rows]
+    first = per_row[0][0]  # (layers + 1, L, d)
+    steps = []
+    for t in range(width):
+        positions = prompt_width if t == 0 else 1
+        stacked = first.new_zeros(len(rows), first.shape[0], positions, first.shape[-1])  # (B, layers + 1, P, d)
+        for i, states in enumerate(per_row):
+            if t < len(states):
+                stacked[i, :, positions - states[t].shape[1] :] = states[t]
+        steps.append(tuple(stacked.unbind(1)))
+    return tuple(steps)
 
 
 # -- routing generate(assistant_model=<drafter>) -----------------------------------------------------------------

@@ -40,7 +40,7 @@ class _RequestRow(Row):
     def remaining(self) -> int:
         return self.request.remaining
 
-    def commit(self, tokens: list[int], scores=None, logits=None) -> int:
+    def commit(self, tokens: list[int], scores=None, logits=None, hidden_states=None) -> int:
         before = len(self.request.output_ids)
         self.finished = self.request._commit(tokens)
         taken = len(self.request.output_ids) - before
