@@ -124,6 +124,11 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", type=int, default=7, help="--spec-draft-n-max (the drafter's block size)")
     parser.add_argument("--spec-type", default="draft-dspark")
+    parser.add_argument(
+        "--llama-args",
+        default="",
+        help="extra arguments for both llama.cpp tools, e.g. '-fa off' (see docs/engines.md, batch-invariant runs)",
+    )
     parser.add_argument("--json", type=Path, help="also write the per-prompt results here")
     parser.add_argument(
         "--transformers-drafter",
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
     args.target = args.target or Path(folder) / name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)  # the target's chat template
     common = ["-m", str(args.target), "-n", str(args.max_new_tokens), "--temp", "0", "-t", str(args.threads)]
-    common += ["-s", "0", "-c", "2048"]
+    common += ["-s", "0", "-c", "2048", *args.llama_args.split()]
     rows, prompts = [], []
     for i, question in enumerate(read_prompts(args.prompts, args.num_prompts)):
         prompt = tokenizer.apply_chat_template(
