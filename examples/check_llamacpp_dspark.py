@@ -4,7 +4,9 @@ For each prompt (chat-formatted with the target's template), this runs llama.cpp
 `--temp 0`) and `llama-speculative-simple --spec-type draft-dspark` (the same target plus the drafter, greedy), checks
 that the generated texts are identical, and reports each tool's own decode speed (llama.cpp's timers) and the
 drafter's acceptance (`n_accept / n_drafted`). Build the tools and export the drafter with
-`examples/llamacpp_dspark.sh`, which then calls this script.
+`examples/llamacpp_dspark.sh`, which then calls this script. The texts are identical only with a build without
+llamafile's sgemm (`-DGGML_LLAMAFILE=OFF`, as the script builds) and flash attention off (`-fa off`, the default of
+`--llama-args`): both make a token's logits depend on how many tokens share its batch (docs/engines.md).
 
     python examples/check_llamacpp_dspark.py --bin /work/envs/llamacpp/build/bin --draft draft.gguf \
         --prompts /work/shared/data/eval/mt-bench.jsonl --num-prompts 10 --max-new-tokens 128 --threads 2
@@ -124,6 +126,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", type=int, default=7, help="--spec-draft-n-max (the drafter's block size)")
     parser.add_argument("--spec-type", default="draft-dspark")
+    parser.add_argument(
+        "--llama-args",
+        default="-fa off",
+        help="extra arguments for both llama.cpp tools (default '-fa off': with flash attention on, llama.cpp's "
+        "speculative output can differ from its plain greedy output; docs/engines.md, 'Identical to plain greedy')",
+    )
     parser.add_argument("--json", type=Path, help="also write the per-prompt results here")
     parser.add_argument(
         "--transformers-drafter",
@@ -140,7 +148,7 @@ def main(argv=None) -> int:
     args.target = args.target or Path(folder) / name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)  # the target's chat template
     common = ["-m", str(args.target), "-n", str(args.max_new_tokens), "--temp", "0", "-t", str(args.threads)]
-    common += ["-s", "0", "-c", "2048"]
+    common += ["-s", "0", "-c", "2048", *args.llama_args.split()]
     rows, prompts = [], []
     for i, question in enumerate(read_prompts(args.prompts, args.num_prompts)):
         prompt = tokenizer.apply_chat_template(

@@ -6,7 +6,12 @@
 #   examples/llamacpp_dspark.sh DRAFTER_DIR [extra check_llamacpp_dspark.py args]
 #
 # Environment: ROOT, PYTHON (this package's Python, default python3), JOBS (build jobs, default 2),
-# LLAMA_CPP_PYTHON_VERSION (default 0.3.36), CPU_FLAGS (cmake flags of ggml's CPU backend, see below).
+# LLAMA_CPP_PYTHON_VERSION (default 0.3.36), CPU_FLAGS (cmake flags of ggml's CPU backend, see below),
+# LLAMAFILE (GGML_LLAMAFILE, default OFF) and LLAMA_ARGS (extra flags of both llama.cpp tools, default "-fa off"):
+# the defaults make llama.cpp + drafter produce exactly llama.cpp's plain greedy output.
+#
+# The four-way table (llama.cpp and transformers, plain and + drafter, one run, a small JSON):
+#   PYTHON=python examples/llamacpp_dspark.sh DRAFTER --transformers-drafter DRAFTER --threads 2 --json fourway.json
 set -euo pipefail
 DRAFTER=${1:?usage: $0 DRAFTER_DIR [check args]}
 shift
@@ -29,12 +34,13 @@ fi
 CPU_FLAGS=${CPU_FLAGS:-"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"}
-if [ ! -x "$ROOT/build/bin/llama-speculative-simple" ] || [ ! -x "$ROOT/build/bin/llama-completion" ]; then
-    # shellcheck disable=SC2086
-    cmake -S "$SRC" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF $CPU_FLAGS
-    nice -n 19 cmake --build "$ROOT/build" --target llama-speculative-simple llama-completion -j"$JOBS"
-fi
+# Not llamafile's sgemm (GGML_LLAMAFILE=OFF): it serves matmuls of 2+ tokens only, so a token's logits would depend on
+# how many tokens share its batch and speculative output could drift from plain greedy (docs/engines.md, "Identical
+# to plain greedy"). Re-running cmake on an existing build only recompiles what changed.
+# shellcheck disable=SC2086
+cmake -S "$SRC" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_LLAMAFILE="${LLAMAFILE:-OFF}" $CPU_FLAGS >/dev/null
+nice -n 19 cmake --build "$ROOT/build" --target llama-speculative-simple llama-completion -j"$JOBS"
 
 # 3. a Python for llama.cpp's converter (its requirements pin an older transformers than dspark-hf's)
 if [ ! -x "$ROOT/venv/bin/python" ]; then
@@ -46,4 +52,7 @@ fi
 # 4. export through llama.cpp's converter, then compare llama.cpp + drafter with llama.cpp plain greedy
 "$PYTHON" -m dspark_hf.cli export --format gguf --drafter "$DRAFTER" --out "$ROOT/draft.gguf" --overwrite \
     --llamacpp "$SRC" --converter-python "$ROOT/venv/bin/python" --outtype f32
-"$PYTHON" "$(dirname "$0")/check_llamacpp_dspark.py" --bin "$ROOT/build/bin" --draft "$ROOT/draft.gguf" "$@"
+# -fa off: the CPU flash-attention kernel takes another path for 64+ queries (the prompt) than for a few (decode,
+# verify); with it on, llama.cpp's own speculative output can differ from its plain greedy output
+"$PYTHON" "$(dirname "$0")/check_llamacpp_dspark.py" --bin "$ROOT/build/bin" --draft "$ROOT/draft.gguf" \
+    --llama-args "${LLAMA_ARGS--fa off}" "$@"
