@@ -537,13 +537,13 @@ def test_negative_control_accepting_every_draft_is_detected(monkeypatch):
     """An engine that skips the rejection test must fail the same chi-square test."""
     from test_sampling import chi_square_rejects
 
-    import dspark_hf.serving.engine
+    from dspark_hf.decoding import core
 
     def accept_all(target_probs, draft_probs, draft_ids, generator=None):
         n = draft_ids.shape[0]
         return n, int(torch.multinomial(target_probs[n], 1, generator=generator))
 
-    monkeypatch.setattr(dspark_hf.serving.engine, "accept_speculative_sampling", accept_all)
+    monkeypatch.setattr(core, "accept_speculative_sampling", accept_all)  # the round's rule, which the Engine drives
     samples, probs, _ = sample_groups("fixed", 1500)
     rejects, stat, critical = chi_square_rejects(samples[0], probs[0])
     assert rejects, f"the test failed to notice unverified drafts (chi2 {stat:.1f} <= {critical:.1f})"
