@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from test_conversion import (
     assert_same_weights,
     borrowed_modules,
+    deepspec_config,
     formula_tensor,
     reference_inputs,
     write_deepspec_checkpoint,
@@ -77,7 +78,7 @@ def make_gemma4_target(k_eq_v=True) -> Gemma4ForCausalLM:
 def gemma4_deepspec_config(target_config: Gemma4TextConfig, rank=8) -> dict:
     """Target text config + DSpark fields, as DeepSpec's `gemma4/config.py::build_draft_config` writes them under its
     transformers (5.10: `global_head_dim` / `num_global_key_value_heads` plain fields, no `per_layer_config`)."""
-    config = target_config.to_dict()
+    config = deepspec_config(target_config, rank=rank)  # the fields every DeepSpec draft config has
     del config["per_layer_config"]
     full = target_config.per_layer_config[target_config.layer_types.index("full_attention")]
     config.update(
@@ -86,18 +87,7 @@ def gemma4_deepspec_config(target_config: Gemma4TextConfig, rank=8) -> dict:
         architectures=["Gemma4DSparkModel"],
         target_model_type="gemma4",
         target_text_model_type="gemma4_text",
-        num_target_layers=target_config.num_hidden_layers,
-        num_hidden_layers=2,
-        block_size=4,
-        tie_word_embeddings=False,
-        layer_types=["full_attention"] * 2,
         mask_token_id=MASK_TOKEN,
-        target_layer_ids=[0, 2],
-        num_anchors=2,
-        enable_confidence_head=True,
-        confidence_head_with_markov=True,
-        markov_rank=rank,
-        markov_head_type="vanilla",
     )
     return config
 
