@@ -226,7 +226,7 @@ class SpeculativeDecoder:
         keeps them, every layer's hidden states (layers + 1 tensors (B, W, d)). Slot j of row r sits at position
         anchor_r + j and predicts the token after it.
         """
-        hidden = bool(self.taps) or any(row.keeps_hidden_states for row in self.rows)
+        keep_hidden = any(row.keeps_hidden_states for row in self.rows)
         lengths = torch.tensor(drafts.lengths, device=self.device)
         width = max(drafts.lengths) + 1
         anchors = torch.tensor([[row.seq[-1]] for row in self.rows], device=self.device)
@@ -237,11 +237,11 @@ class SpeculativeDecoder:
         with self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext():
             out = self.target(
                 input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
-                output_hidden_states=hidden, **{self.cache_arg: self.target_cache.cache},
+                output_hidden_states=bool(self.taps) or keep_hidden, **{self.cache_arg: self.target_cache.cache},
             )  # fmt: skip
         self.counts["rounds"] += 1
-        kept = out.hidden_states if any(row.keeps_hidden_states for row in self.rows) else None
-        return out.logits.to(self.device).float(), self._features(out) if self.taps else None, kept
+        features = self._features(out) if self.taps else None
+        return out.logits.to(self.device).float(), features, out.hidden_states if keep_hidden else None
 
     def _accept(self, drafts: Drafts, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
         """Accepted draft count and bonus token per row, and the processed target logits (B, W, V).

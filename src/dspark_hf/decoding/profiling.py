@@ -108,11 +108,6 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def _kernels_may_lose(rows: int) -> bool:
-    """Whether a verify of `rows` rows is timed without the kernels too (as `verify_head.KernelChoice` would)."""
-    return verify_head.MEASURE and verify_head.MIN_ROWS <= rows <= verify_head.MAX_ROWS_HEAD
-
-
 @torch.no_grad()
 def profile_target(
     target,
@@ -166,7 +161,7 @@ def profile_target(
             cache = DynamicCache(config=target.config)
             target(input_ids=random_ids(b, context_len), use_cache=True, **{cache_arg: cache})
             # with and without the verify kernels where they can act (`KernelChoice`: decode loops keep the faster)
-            ways = {k: (True, False) if linears and _kernels_may_lose(b * k) else (True,) for k in lengths}
+            ways = {k: (True, False) if linears and verify_head.measured(b * k) else (True,) for k in lengths}
             times = {(k, way): [] for k in lengths for way in ways[k]}
             # round robin over the lengths: a burst of load on the machine lands on every length alike instead of
             # on a few neighbouring ones

@@ -119,6 +119,11 @@ def verify_kernels(model, linears: list[nn.Linear] | None = None):
             object.__setattr__(module, "__class__", nn.Linear)
 
 
+def measured(rows: int) -> bool:
+    """Whether verifies of `rows` rows are timed with and without the kernels (where the products can act)."""
+    return MEASURE and MIN_ROWS <= rows <= MAX_ROWS_HEAD
+
+
 class KernelChoice:
     """Whether the verify kernels pay on this machine, per row count of a verify pass, measured on the verify passes
     themselves: the few-rows products win by several times on some CPUs and lose on others (docs/results.md).
@@ -138,7 +143,7 @@ class KernelChoice:
         """Whether the next verify of `rows` rows runs with the kernels."""
         if rows in self.chosen:
             return self.chosen[rows]
-        if not (MEASURE and MIN_ROWS <= rows <= MAX_ROWS_HEAD):
+        if not measured(rows):
             return True
         times = self.seconds.setdefault(rows, {True: [], False: []})
         return len(times[True]) <= len(times[False])
@@ -243,6 +248,7 @@ __all__ = [
     "eligible",
     "eligible_linears",
     "kernel_choice",
+    "measured",
     "padded_steps",
     "verify_kernels",
     "version",
