@@ -5,10 +5,12 @@
 For each width (tokens per verify, anchor included) a forward of the fp32 SmolLM2 target on a 256-token cache, the
 median of `--repeats` rounds, each round visiting every (width, mode) once so that a burst of load lands on all
 alike. Modes: "off" (transformers' own linears), "few rows" (the few-row products of `kernels.verify_head`, on for
-every verify), "choice" (the faster of those two per width: what `KernelChoice` keeps) and, where available,
-"packed" (the target's linears through oneDNN's packed weights, `kernels.verify_linears`). Beside them: transformers'
-own plain decoding step (`generate()`, per token), and the memory floor, the bytes of weights a step reads divided by
-the measured read bandwidth (a sum over a tensor of that size). Prints the CPU model and thread count.
+every verify), "choice" (the faster of those two per width: what the old `KernelChoice` kept) and, where available,
+"packed" (the target's linears through oneDNN's packed weights, `kernels.verify_linears`, unpadded) and "measured"
+(`verify_linears.kernel_choice`: per width the fastest way measured on this machine, what verifies run with).
+Beside them: transformers' own plain decoding step (`generate()`, per token), and the memory floor, the bytes of
+weights a step reads divided by the measured read bandwidth (a sum over a tensor of that size, median of 7; the best
+is printed too). Prints the CPU model and thread count.
 """
 
 import argparse
@@ -45,11 +47,11 @@ def weight_bytes(target) -> int:
     return sum(seen.values())
 
 
-def read_bandwidth(nbytes: int, repeats: int = 7) -> float:
-    """Bytes per second of a sum over a float32 tensor of `nbytes` (the best of `repeats`)."""
+def read_bandwidth(nbytes: int, repeats: int = 7) -> tuple[float, float]:
+    """Bytes per second of a sum over a float32 tensor of `nbytes`: (median, best) of `repeats`."""
     big = torch.ones(nbytes // 4)
-    best = min(_timed(big.sum) for _ in range(repeats))
-    return nbytes / best
+    times = [_timed(big.sum) for _ in range(repeats)]
+    return nbytes / statistics.median(times), nbytes / min(times)
 
 
 def _timed(fn) -> float:
@@ -64,14 +66,32 @@ def modes(target) -> dict:
         "off": contextlib.nullcontext,
         "few rows": lambda: verify_head.verify_kernels(target),
     }
-    try:  # the packed verify linears, where this version has them
+    try:  # the packed verify linears and the measured choice, where this version has them
         from dspark_hf.kernels import verify_linears
-
-        packs = verify_linears.packs_for(target)
-        out["packed"] = lambda: packs.scope(target)
     except ImportError:
-        pass
+        return out
+    packs = verify_linears.packs_for(target)
+    out["packed"] = lambda: packs.scope(target)
+    choice = verify_linears.kernel_choice(target)
+    table = choice.ensure(target)
+    print("measured kernel choice (rows: way, padded to):", table.choice)
+    out["measured"] = lambda: _Scope(choice, target)
     return out
+
+
+class _Scope:
+    """`choice.verify(target, rows)` for the rows of the forward about to run (set by the caller)."""
+
+    rows = 1
+
+    def __init__(self, choice, target):
+        self.scope = choice.verify(target, _Scope.rows)
+
+    def __enter__(self):
+        return self.scope.__enter__()
+
+    def __exit__(self, *exc):
+        return self.scope.__exit__(*exc)
 
 
 @torch.no_grad()
@@ -95,6 +115,7 @@ def main() -> None:
         for k in widths:
             for mode, scope in ways.items():
                 ids = torch.randint(0, vocab, (1, k), generator=generator)
+                _Scope.rows = k
                 start = time.perf_counter()
                 with scope():
                     target(input_ids=ids, cache=cache, use_cache=True)
@@ -114,7 +135,7 @@ def main() -> None:
     gen(4)
     plain = [(gen(1 + args.plain_tokens) - gen(1)) / args.plain_tokens * 1e3 for _ in range(3)]
     nbytes = weight_bytes(target)
-    bandwidth = read_bandwidth(nbytes)
+    bandwidth, best_bandwidth = read_bandwidth(nbytes)
     floor_ms = nbytes / bandwidth * 1e3
     medians = {key: statistics.median(v) for key, v in times.items()}
     for k in widths:
@@ -123,7 +144,8 @@ def main() -> None:
     one = medians[1, "off"]
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, cache {args.context} tokens")
     print(
-        f"memory floor: {nbytes / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s read = {floor_ms:.1f} ms; "
+        f"memory floor: {nbytes / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s read = {floor_ms:.1f} ms "
+        f"(best read {best_bandwidth / 1e9:.1f} GB/s: {nbytes / best_bandwidth * 1e3:.1f} ms); "
         f"transformers' plain step (generate, per token): {statistics.median(plain):.1f} ms"
     )
     print("width " + "".join(f"{n:>12}" for n in names) + "  (ms; x of a 1-token step, own linears)")
@@ -138,6 +160,7 @@ def main() -> None:
             "repeats": args.repeats,
             "weight_bytes": nbytes,
             "read_gb_s": bandwidth / 1e9,
+            "best_read_gb_s": best_bandwidth / 1e9,
             "floor_ms": floor_ms,
             "plain_generate_step_ms": statistics.median(plain),
             "verify_ms": {n: {str(k): medians[k, n] for k in widths} for n in names},

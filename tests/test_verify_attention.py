@@ -139,7 +139,7 @@ def test_routed_only_while_verifying():
 
 def test_switch_off(monkeypatch):
     target = sdpa_target()
-    assert verify_head.version(target) == verify_head.VERSION == 3
+    assert verify_head.version(target) == verify_head.VERSION == 4
     monkeypatch.setattr(verify_attention, "ENABLED", False)
     with verify_kernels(target):
         assert target.config._attn_implementation == "sdpa"
@@ -148,7 +148,7 @@ def test_switch_off(monkeypatch):
 
 def test_profiles_record_whether_the_attention_is_routed():
     assert verify_head.version(make_target()) == 2  # eager: few-rows products only
-    assert verify_head.version(sdpa_target()) == 3
+    assert verify_head.version(sdpa_target()) == verify_head.VERSION
     assert verify_head.version(sdpa_target().to(torch.bfloat16)) == 0  # no few-rows products at all
 
 

@@ -10,7 +10,7 @@ every row:
            survival as it is sampled (skipped when the draft gate expects a plain step to be faster)
   choose   the policy picks ℓ_r drafts per row (fixed / threshold / Algorithm 1), from survivals only
   verify   one target forward on (B, W = max ℓ_r + 1) tokens, [anchor, drafts] per row, over the ragged cache, with
-           the CPU verify kernels scoped to this one forward where they pay (`verify_head.KernelChoice`)
+           the target's CPU linears run this forward's way measured on this machine (`verify_linears.kernel_choice`)
   accept   each slot's target logits processed with that slot's own prefix; greedy: the longest matching prefix
            and the target's token after it; sampling: exact rejection sampling against the draft distribution
   commit   accepted drafts + the bonus token go to each row (which clips at its stop); rejected and padding slots
@@ -27,7 +27,8 @@ from contextlib import nullcontext
 
 import torch
 
-from ..kernels.verify_head import eligible_linears, kernel_choice
+from ..kernels.verify_head import eligible_linears
+from ..kernels.verify_linears import kernel_choice
 from .acceptance import accept_greedy, accept_speculative_sampling
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
@@ -82,7 +83,7 @@ class SpeculativeDecoder:
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
         self._linears = eligible_linears(target)  # kept here (never on the target) for `verify_kernels`
-        # the CPU verify kernels, where this machine's verifies measured faster with them (never on an accelerator)
+        # the CPU verify kernels, the way measured fastest on this machine per row count (never on an accelerator)
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []
