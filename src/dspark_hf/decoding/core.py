@@ -185,6 +185,8 @@ class SpeculativeDecoder:
         logits, features, hidden = self._verify(drafts)
         accepted, bonus, processed = self._accept(drafts, logits)
         self._commit(drafts, accepted, bonus, processed, logits, features, hidden)
+        if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
+            self.policy.gate.end_round(sum(accepted) + len(accepted))
         if record is not None:
             record.accepted = sum(accepted)
             RECORDERS[-1].append(record)
