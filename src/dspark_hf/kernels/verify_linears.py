@@ -363,6 +363,42 @@ def kernel_choice(model: nn.Module) -> VerifyKernels:
     return choice
 
 
+@contextlib.contextmanager
+def measured_steps(model: nn.Module):
+    """Within the block, every one-token decoding step of `model.generate()` (a keyword call with a filled cache)
+    runs its linears the way measured for its rows (`kernel_choice`), as a plain round of a decode loop does: plain
+    decoding at the verify kernels' speed, the kernel-neutral baseline of `dspark-hf bench`. Same tokens up to float
+    rounding; the hooks are removed on exit."""
+    choice, linears = kernel_choice(model), eligible_linears(model)
+    state: dict = {"scope": None}
+
+    def enter(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if args or ids is None or ids.shape[-1] != 1 or cache is None or cache.get_seq_length() == 0:
+            return None
+        state["scope"] = contextlib.ExitStack()
+        state["scope"].enter_context(choice.verify(model, ids.numel(), linears))
+        return None
+
+    def leave(module, args, kwargs, output):
+        if state["scope"] is not None:
+            state["scope"].close()
+            state["scope"] = None
+
+    handles = [
+        model.register_forward_pre_hook(enter, with_kwargs=True),
+        model.register_forward_hook(leave, with_kwargs=True),
+    ]
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        if state["scope"] is not None:  # a forward raised between the two hooks
+            state["scope"].close()
+
+
 __all__ = [
     "KernelTable",
     "PackedVerifyLinear",
@@ -371,6 +407,7 @@ __all__ = [
     "free_packs",
     "kernel_choice",
     "measure",
+    "measured_steps",
     "packable",
     "packs_for",
 ]
