@@ -220,9 +220,10 @@ class DraftGate:
     `end_round`): the wall time per committed token of drafted rounds and of plain rounds, exponentially weighted
     (`RoundCosts`, on `clock`). A profile taken on a quiet machine says nothing about a machine that another process
     now shares, so where drafted rounds measured dearer per token than plain ones, the round is plain whatever the
-    prediction; the probes above re-measure drafting, and a probe that measures cheaper than plain keeps the wait at
-    `probe_interval`. While drafting, every `plain_probe_interval`-th round is plain, so that the plain cost it is
-    held against stays current. Which rounds draft never changes the tokens (a plain round is lossless), so the
+    prediction; the probes above re-measure drafting (a drafted round after several plain ones also feeds the drafter
+    their positions, so the round after it is the one measured), and one that measures cheaper than plain keeps the
+    wait at `probe_interval`. While drafting, every `plain_probe_interval`-th round is plain, so that the plain cost
+    it is held against stays current. Which rounds draft never changes the tokens (a plain round is lossless), so the
     gate may use timing freely.
     """
 
@@ -262,7 +263,8 @@ class DraftGate:
         self.wait = probe_interval  # plain rounds before the next probe (backs off while probes fail)
         self.probing = False  # the last drafted round was a probe
         self.rounds = {True: RoundCosts(weight), False: RoundCosts(weight)}  # drafted / plain rounds
-        self.round: tuple[float, bool, int, bool] | None = None  # (start, drafted, rows, probe) of the open round
+        self.round: tuple | None = None  # (start, drafted, rows, probe, measured) of the open round
+        self.confirm = False  # the last round drafted after plain ones, unmeasured: draft this one to measure it
         self.measured_gated = 0  # rounds made plain because drafted rounds measured dearer per token
 
     def should_draft(self, hints: Sequence[Sequence[float] | None], caps: Sequence[int]) -> bool:
@@ -270,15 +272,21 @@ class DraftGate:
         caps[r]: drafts it may verify this round. False means: make this round a plain step."""
         start = self.clock()
         probe = self.plain_in_a_row >= self.wait
-        decision = self._decide(hints, caps)
-        self.round = (start, decision, len(hints), decision and probe)
+        after_plain = self.plain_in_a_row  # plain rounds since the last drafted one (the drafter catches up on them)
+        confirm, self.confirm = self.confirm, False
+        decision = self._decide(hints, caps, confirm)
+        # a drafted round after several plain ones also feeds their positions to the drafter: not a typical round's
+        # cost, so it is not measured, and the next round drafts too (when predicted to pay) to be measured instead
+        measured = not (decision and after_plain > 1)
+        self.confirm = decision and not measured
+        self.round = (start, decision, len(hints), decision and (probe or confirm), measured)
         if decision:
             self.drafted_in_a_row += 1
         else:
             self.drafted_in_a_row = 0
         return decision
 
-    def _decide(self, hints, caps) -> bool:
+    def _decide(self, hints, caps, confirm: bool = False) -> bool:
         rows = len(hints)
         seconds = self.cost(rows)
         if seconds is None or self.prior is None:
@@ -288,6 +296,8 @@ class DraftGate:
             return True
         predicted = [(self.prior if hint is None else hint)[:cap] for hint, cap in zip(hints, caps)]
         if drafting_pays(predicted, self.sps, seconds, max_tokens=len(caps) + sum(caps)):
+            if confirm:  # measure the round after a probe; the probe's outcome is decided after it
+                return True
             if not self._measured_dearer(rows):
                 self.wait, self.probing = self.probe_interval, False
                 return True
@@ -313,9 +323,11 @@ class DraftGate:
         """After the round that `should_draft` opened: how many tokens it committed over all rows."""
         if self.round is None:
             return
-        start, drafted, rows, probe = self.round
+        start, drafted, rows, probe, measured = self.round
         self.round = None
         seconds = self.clock() - start
+        if not measured:
+            return
         self.rounds[drafted].add(rows, seconds, tokens)
         plain = self.rounds[False].per_token(rows)
         if probe and plain is not None and seconds / max(tokens, 1) <= plain:
