@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import pipeline
+from transformers import SynthIDTextWatermarkingConfig, pipeline
 
 from conftest import make_drafter, make_target
 from dspark_hf import speculative_generate
@@ -118,13 +118,43 @@ def test_pipeline_with_batch_size(target, drafter):
     assert out == ref
 
 
-def test_batch_dependent_processor_is_refused(target, drafter):
+# processors built with one entry per batch row (padding lengths, prompts, a batch index): each row gets its own.
+# Rows 0 and 1 hold a token plain decoding repeats (83, 14), which row 2 generates too without having it.
+ROW_PROMPTS = [[5, 17, 3, 83], [40, 2, 9, 14, 11, 7, 33, 8], [61], [12, 90, 4, 4, 71]]
+ROW_PROCESSORS = {
+    "repetition_penalty": dict(repetition_penalty=2.0),
+    "encoder_repetition_penalty": dict(encoder_repetition_penalty=3.0),
+    "encoder_no_repeat_ngram_size": dict(encoder_no_repeat_ngram_size=1),
+    "prefix_allowed_tokens_fn": dict(prefix_allowed_tokens_fn=lambda row, ids: list(range(10 * row, 10 * row + 40))),
+    "penalty, n-grams and sequence bias": dict(
+        repetition_penalty=1.5, no_repeat_ngram_size=2, sequence_bias={(5,): 4.0, (17, 3): -5.0}
+    ),
+}
+
+
+@pytest.mark.parametrize("option", sorted(ROW_PROCESSORS))
+def test_processors_with_per_row_state_on_a_left_padded_batch(target, option):
+    """Each row is processed as plain batched generate() processes it (padding included), row by row identical."""
+    ids, mask = left_padded(ROW_PROMPTS)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=PAD, **ROW_PROCESSORS[option])
+    plain = target.generate(ids, **kw)
+    assert not torch.equal(plain, target.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=PAD))
+    out = target.generate(ids, assistant_model=make_drafter(target, verify_policy="fixed"), **kw)
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(guidance_scale=1.5),
+        dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[1, 2, 3], ngram_len=3)),
+    ],
+    ids=["guidance_scale", "synthid"],
+)
+def test_processors_that_need_the_whole_batch_or_call_history_are_refused(target, drafter, option):
     ids, mask = left_padded(PROMPTS[:2])
-    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
-        target.generate(
-            ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter,
-            prefix_allowed_tokens_fn=lambda batch_id, sent: list(range(99)),
-        )  # fmt: skip
+    with pytest.raises(ValueError, match=f"`{next(iter(option))}"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter, **option)
 
 
 def test_wrong_target_is_named_before_transformers_checks(drafter):

@@ -14,9 +14,11 @@ goes to transformers untouched. Pipelines call `model.generate(..., assistant_mo
 `generate(model, ...)` is the same routing as a function, for the Hub `custom_generate/` folder.
 """
 
+import copy
 import functools
 
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -145,23 +147,56 @@ def _check_call(model, generation_config, model_kwargs) -> None:
         )
 
 
-# processors that need the whole batch, or a batch index, in one call; rows here are processed one by one
+# processors that need the whole batch in one call; rows here are processed one by one
 _BATCH_PROCESSORS = {
-    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
     "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    # keeps per-call state (the contexts of earlier calls), which verifying several positions at once would corrupt
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config (SynthID)",
 }
 
 
-def _check_processors(processors, batch_size: int) -> None:
+def _check_processors(processors) -> None:
     for processor in processors or []:
         option = _BATCH_PROCESSORS.get(type(processor).__name__)
-        if option == "guidance_scale" or (option is not None and batch_size > 1):
+        if option is not None:
             raise ValueError(
-                f"Speculative decoding with a DSpark drafter processes each row's logits on their own, which "
-                f"`{option}` does not allow{' at batch size > 1' if option != 'guidance_scale' else ''}; drop it, "
-                "or decode without the drafter."
+                f"Speculative decoding with a DSpark drafter processes each row's logits position by position, "
+                f"which `{option}` does not allow; drop it, or decode without the drafter."
             )
+
+
+def _row_processors(processors, index: int):
+    """The logits processors as row `index` alone sees them, called with a batch of one (its own prefix).
+
+    Processors built with one entry per batch row (`utils.compat.PRIVATE_API`) get a copy holding row `index`'s
+    entry: the repetition penalty's padding length, the encoder-side penalties' prompt, a prefix constraint's batch
+    index. Every other processor is shared as it is (they read only the ids they are called with).
+    """
+    if processors is None:
+        return None
+    out = LogitsProcessorList()
+    for processor in processors:
+        name = type(processor).__name__
+        if name == "RepetitionPenaltyLogitsProcessor" and isinstance(processor.prompt_ignore_length, torch.Tensor):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[index : index + 1]
+        elif name == "EncoderRepetitionPenaltyLogitsProcessor":
+            processor = copy.copy(processor)
+            processor.encoder_input_ids = processor.encoder_input_ids[index : index + 1]
+        elif name == "EncoderNoRepeatNGramLogitsProcessor":
+            processor = copy.copy(processor)
+            processor.generated_ngrams, processor.batch_size = processor.generated_ngrams[index : index + 1], 1
+        elif name == "PrefixConstrainedLogitsProcessor":
+            allowed = processor._prefix_allowed_tokens_fn
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = functools.partial(_allowed_for_row, allowed, index)
+        out.append(processor)
+    return out
+
+
+def _allowed_for_row(allowed, index: int, batch_id: int, sent):
+    return allowed(index, sent)  # called on a batch of one: batch_id is 0, the row is `index` of the real batch
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[list[int], list[int]]]:
@@ -216,7 +251,7 @@ def speculative_generate(
     eos, max_length, others = _split_stopping(stopping_criteria)
     max_length = generation_config.max_length if max_length is None else max_length
     processors = logits_processor if logits_processor is not None and len(logits_processor) else None
-    _check_processors(processors, input_ids.shape[0])
+    _check_processors(processors)
     keep = [
         name
         for name in ("scores", "logits", "hidden_states")
@@ -228,7 +263,7 @@ def speculative_generate(
         _GenerateRow(
             padding,
             prompt,
-            processors=processors,
+            processors=_row_processors(processors, index),
             others=others,
             eos=eos,
             max_length=max_length,
@@ -237,7 +272,7 @@ def speculative_generate(
             streamer=token_streamer,
             block_size=drafter.config.block_size,
         )  # fmt: skip
-        for padding, prompt in _prompts(input_ids, model_kwargs.get("attention_mask"))
+        for index, (padding, prompt) in enumerate(_prompts(input_ids, model_kwargs.get("attention_mask")))
     ]
     policy = VerifyPolicy.for_drafter(drafter, model, verify_policy, max_rows=len(rows))
     decoder = SpeculativeDecoder(model, drafter, policy=policy)
