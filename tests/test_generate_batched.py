@@ -112,15 +112,16 @@ class _Recorder(BaseStreamer):
         self.ended = True
 
 
-def test_a_batch_streamer_gets_what_plain_generate_sends():
+@pytest.mark.parametrize("pad_id", [PAD, None], ids=["pad", "no pad: first EOS"])
+def test_a_batch_streamer_gets_what_plain_generate_sends(pad_id):
     """Batch 3, rows finishing at different rounds and committing chunks of different lengths: the same put() calls
     as plain batched generate(): the prompt (B, L), then one (B,) tensor per position, padding for finished rows."""
     target = make_target()
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     ids, mask = left_padded(prompts)
     long = plain_rows(target, prompts, max_new_tokens=20)
-    target.generation_config.eos_token_id = [long[1][3], long[2][7]]  # rows 1 and 2 end early, at different tokens
-    target.generation_config.pad_token_id = PAD
+    eos = target.generation_config.eos_token_id = [long[1][3], long[2][7]]  # rows 1 and 2 end early, differently
+    target.generation_config.pad_token_id = pad_id
     refs = [p + r for p, r in zip(prompts, long)]
     wrong = refs[0][:9] + [(refs[0][9] + 1) % 99] + refs[0][10:]  # row 0's drafts fail once mid-block
     drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), [wrong, *refs])
@@ -129,9 +130,11 @@ def test_a_batch_streamer_gets_what_plain_generate_sends():
     target.generate(ids, streamer=plain, **kw)
     target.generate(ids, streamer=assisted, assistant_model=drafter, **kw)
     assert assisted.calls == plain.calls and assisted.ended
-    assert plain.calls[0] == (tuple(ids.shape), ids.tolist())
-    ended = [next(t for t, (_, values) in enumerate(plain.calls[1:]) if values[r] == PAD) for r in (1, 2)]
-    assert ended == [4, 8] and len(plain.calls) == 1 + 20  # row 1 padded from position 4, row 2 from 8, row 0 runs
+    assert plain.calls[0] == (tuple(ids.shape), ids.tolist()) and len(plain.calls) == 1 + 20  # row 0 runs on
+    pad = eos[0] if pad_id is None else pad_id
+    for r, end in ((1, 3), (2, 7)):  # row 1 is padded after its 4th token, row 2 after its 8th
+        column = [values[r] for _, values in plain.calls[1:]]
+        assert column[: end + 1] == long[r][: end + 1] and set(column[end + 1 :]) == {pad}
 
 
 def test_a_streamer_at_batch_1_gets_each_rounds_tokens():

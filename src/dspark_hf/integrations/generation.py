@@ -337,9 +337,12 @@ def _settle_length(rows: list[_GenerateRow], decoder: SpeculativeDecoder) -> Non
 
 
 def _pad_id(generation_config, eos: set[int]) -> int:
-    """What finished rows are padded with: the pad id, else the smallest EOS id, else 0."""
+    """What finished rows are padded with, as plain decoding pads them: the pad id, else the first EOS id."""
     pad = generation_config.pad_token_id
-    pad = (min(eos) if eos else 0) if pad is None else pad
+    if pad is None:
+        pad = generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, (list, tuple)) and pad else pad
+        pad = (min(eos) if eos else 0) if pad is None or isinstance(pad, (list, tuple)) else pad
     return pad[0] if isinstance(pad, (list, tuple)) else pad
 
 
