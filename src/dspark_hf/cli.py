@@ -718,9 +718,19 @@ class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's error rule: one line on stderr, exit status 2 (no usage block). Subcommand parsers are
     made by `add_subparsers` with the parent's class, so every command's parser is one too."""
 
+    commands: dict = {}  # the root's: command name -> its parser
+
     def error(self, message: str):
         print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        """Unknown options are named by the command they were given to (argparse's root would claim them)."""
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self.commands.get(getattr(args, "command", None), self)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -900,6 +910,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"], help="gguf: tensor type")
     export.add_argument("--converter-python", help="gguf: Python with llama.cpp's converter requirements")
     export.set_defaults(func=cmd_export)
+    parser.commands = dict(sub.choices)
     for command in sub.choices.values():  # `dspark-hf bench ... --debug` as well as `dspark-hf --debug bench ...`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
