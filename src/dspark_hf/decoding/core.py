@@ -28,6 +28,7 @@ from contextlib import nullcontext
 import torch
 
 from ..kernels.verify_head import eligible_linears, kernel_choice
+from ..kernels.weights import per_token_activations, per_token_linears
 from .acceptance import accept_greedy, accept_speculative_sampling
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
@@ -82,6 +83,8 @@ class SpeculativeDecoder:
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
         self._linears = eligible_linears(target)  # kept here (never on the target) for `verify_kernels`
+        # a dynamically quantized target's linears verify token by token, as its one-token steps run (weights.py)
+        self._per_token = per_token_linears(target)
         # the CPU verify kernels, where this machine's verifies measured faster with them (never on an accelerator)
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
         self.target_cache = RaggedCache(self.device)
@@ -234,7 +237,10 @@ class SpeculativeDecoder:
         slots = torch.arange(width, device=self.device)
         position_ids = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None] + slots
         mask = self.target_cache.attention_mask(slots[None] <= lengths[:, None])  # (B, T + W)
-        with self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext():
+        with (
+            self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext(),
+            per_token_activations(self.target, self._per_token),
+        ):
             out = self.target(
                 input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
                 output_hidden_states=bool(self.taps) or keep_hidden, **{self.cache_arg: self.target_cache.cache},
