@@ -33,8 +33,8 @@ from torch import nn
 
 from . import verify_attention
 from .few_rows import linear_few_rows
-from .weights import computes_with_weight
 from .verify_attention import routable, routed  # (also how remote-code loading finds the module to copy)
+from .weights import computes_with_weight
 
 
 ENABLED = True

@@ -45,7 +45,7 @@ def _raw_weight(module: nn.Module):
 
 
 def weight_kind(module: nn.Module) -> str:
-    """"dense", "subclass", "quantized" or "hooked" (see the module docstring); hooks are checked first, since a
+    """ "dense", "subclass", "quantized" or "hooked" (see the module docstring); hooks are checked first, since a
     hooked module's weight may not even be where it computes."""
     if hasattr(module, "_hf_hook") or module._forward_hooks or module._forward_pre_hooks:
         return HOOKED
