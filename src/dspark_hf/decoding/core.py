@@ -28,7 +28,7 @@ from contextlib import nullcontext
 import torch
 
 from ..kernels.verify_head import eligible_linears, kernel_choice
-from ..kernels.weights import per_token_activations, per_token_linears
+from ..kernels.weights import model_device, per_token_activations, per_token_linears
 from .acceptance import accept_greedy, accept_speculative_sampling
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
@@ -65,7 +65,7 @@ class SpeculativeDecoder:
         if not 0.0 < compact_fraction <= 1.0:
             raise ValueError(f"`compact_fraction` must lie in (0, 1], got {compact_fraction}.")
         self.target, self.compact_fraction = target, compact_fraction
-        self.device = next(target.parameters()).device
+        self.device = model_device(target)
         text_config = target.config.get_text_config()
         self.sliding = getattr(text_config, "sliding_window", None) is not None or "sliding_attention" in (
             getattr(text_config, "layer_types", None) or []
@@ -114,10 +114,13 @@ class SpeculativeDecoder:
         """Run new prompts through the target in one forward (right-padded; pads are holes), commit each row's first
         token and add the unfinished rows to the batch. Returns the rows that finished on their first token.
 
-        A single prompt runs exactly as plain `generate()` runs it (no mask, logits of the last position only).
+        A single prompt runs exactly as plain `generate()` runs it (no mask, logits of the last position only); a
+        dynamically quantized target (`weights.per_token_linears`) prefills its prompts one by one for that reason.
         """
         if not rows:
             return []
+        if self._per_token and len(rows) > 1:  # one activation scale per call: each prompt alone, as plain decoding
+            return [done for row in rows for done in self.prefill([row])]
         lengths = [len(row.seq) for row in rows]
         width = max(lengths)
         ids = torch.tensor([row.seq + [0] * (width - len(row.seq)) for row in rows], device=self.device)

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..kernels.packed_linear import pack_linears
-from ..kernels.weights import module_device, out_features
+from ..kernels.weights import model_device, module_device, out_features
 from ..models.configuration_dspark import EARLY_DRAFT_POSITIONS
 from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
@@ -62,7 +62,7 @@ class _Generator:
         if self.lm_head is None:
             raise ValueError(f"{type(target).__name__} has no output embeddings (LM head) for the drafter to borrow.")
         self.device = next(drafter.parameters()).device
-        self.target_device = next(target.parameters()).device
+        self.target_device = model_device(target)
         pack_linears(drafter)  # the drafter's CPU linears through oneDNN's packed weights (packed_linear.py)
 
 

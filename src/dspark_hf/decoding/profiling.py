@@ -26,7 +26,7 @@ from transformers.utils import logging
 
 from ..kernels import verify_head
 from ..kernels.verify_head import eligible_linears, verify_kernels, version
-from ..kernels.weights import per_token_activations, per_token_linears, quantization
+from ..kernels.weights import model_device, per_token_activations, per_token_linears, quantization
 from .scheduler import SPS
 
 
@@ -83,8 +83,7 @@ def target_fingerprint(target) -> dict:
 
 
 def _target_device_dtype(target) -> tuple[torch.device, torch.dtype]:
-    param = next(target.parameters())
-    return param.device, param.dtype
+    return model_device(target), next(target.parameters()).dtype
 
 
 # -- measuring ----------------------------------------------------------------------------------------------------

@@ -103,6 +103,19 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where a model computes: its first parameter's device, or, for a model offloaded with accelerate (weights on
+    the meta device until a hook moves them in), its hooks' execution device."""
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type != "meta":
+        return first.device
+    for module in model.modules():
+        device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if device is not None:
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return torch.device("cpu") if first is None else first.device
+
+
 def out_features(module: nn.Module) -> int:
     """The number of outputs (an LM head's vocabulary) of a linear-like module of any kind."""
     for name in ("out_features", "num_embeddings", "outfeatures"):  # nn.Linear and most quantized linears; GPTQ
@@ -267,6 +280,7 @@ __all__ = [
     "in_features",
     "input_dtype",
     "is_dense",
+    "model_device",
     "module_device",
     "out_features",
     "per_token_activations",
