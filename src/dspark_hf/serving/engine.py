@@ -22,6 +22,7 @@ from ..decoding.drafting import is_drafter
 from ..decoding.policy import VerifyPolicy
 from ..decoding.rows import Row
 from ..decoding.scheduler import SPS
+from ..kernels.weights import model_device
 from .request import Request, check_sampling_settings, prompt_token_ids
 
 
@@ -90,7 +91,7 @@ class Engine:
             raise ValueError(f"`max_batch_size` must be a positive int, got {max_batch_size!r}.")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.max_batch_size = max_batch_size
-        self.device = next(target.parameters()).device
+        self.device = model_device(target)
         self.vocab_size = target.config.get_text_config().vocab_size
         policy = None
         if drafter is None:
