@@ -151,8 +151,36 @@ def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds else 0.0
 
 
-def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None) -> dict:
-    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes."""
+def round_breakdown(round_lists) -> dict | None:
+    """Where a round's time goes, mean ms per round over the logged rounds of this package's decoders: `draft` (the
+    gate and the draft pass with its sampling), `verify` (the target's forward), `bookkeeping` (acceptance, commit,
+    cache trimming) and `round` (all three), plus `rounds` counted and `drafted` (rounds that drafted). None when the
+    rounds carry no verify timings (transformers' own assistants)."""
+    rounds = [r for rs in round_lists for r in rs if r.verify_seconds is not None and r.end is not None]
+    if not rounds:
+        return None
+    draft = statistics.fmean(1e3 * r.seconds for r in rounds)
+    verify = statistics.fmean(1e3 * r.verify_seconds for r in rounds)
+    whole = statistics.fmean(1e3 * (r.end - r.start) for r in rounds)
+    return {
+        "draft": draft,
+        "verify": verify,
+        "bookkeeping": whole - draft - verify,
+        "round": whole,
+        "rounds": len(rounds),
+        "drafted": sum(1 for r in rounds if r.proposed),
+    }
+
+
+def _decode_phase(decoded, prefills) -> tuple[int, float]:
+    """(tokens after the first, seconds after the prefill) summed over prompts: the decoding phase alone."""
+    tokens = sum(max(d[0].numel() - 1, 0) for d in decoded)
+    return tokens, sum(max(d[1] - p, 0.0) for d, p in zip(decoded, prefills))
+
+
+def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None, prefills=None) -> dict:
+    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes;
+    `prefills`: seconds of a plain one-token generate() per prompt (the prompt's prefill), where they were timed."""
     stats = [s for _, _, s, _ in decoded]
     pooled = _pool(stats)
     tokens, seconds = _totals(decoded)
@@ -211,7 +239,24 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "draft_ms_per_round": statistics.fmean(draft_ms) if draft_ms else None,
         "draft_ms_per_round_median": statistics.median(draft_ms) if draft_ms else None,
         "draft_fraction": sum(draft_ms) / 1e3 / seconds if seconds else 0.0,
+        "round_ms": round_breakdown(d[3] for d in decoded),
+        **_decode_phase_entry(decoded, plain, prefills),
         "per_prompt": per_prompt,
+    }
+
+
+def _decode_phase_entry(decoded, plain, prefills) -> dict:
+    """The decoding phase without the prompt's prefill (which costs the same with and without a drafter): the plain
+    step's mean ms and the speedup over plain decoding, where prefills were timed."""
+    if not prefills:
+        return {}
+    plain_tokens, plain_seconds = _decode_phase(plain, prefills)
+    tokens, seconds = _decode_phase(decoded, prefills)
+    plain_tps, tps = _rate(plain_tokens, plain_seconds), _rate(tokens, seconds)
+    return {
+        "prefill_seconds": statistics.fmean(prefills),
+        "plain_step_ms": 1e3 * plain_seconds / plain_tokens if plain_tokens else None,
+        "decode_speedup": tps / plain_tps if plain_tps else None,
     }
 
 
@@ -349,12 +394,15 @@ def run_evaluation(
     latency_new_tokens: int = 48,
     progress: bool = True,
     padded_baseline: bool | None = None,
+    time_prefill: bool = False,
 ) -> dict:
     """Plain decoding vs every drafter on every dataset at every temperature, plus the draft-latency sweep.
 
     drafters: {label: assistant model}; datasets: {name: prompt records (see `utils.prompts.read_prompts`)};
     padded_baseline: also decode plainly with 2-row steps (see the module docstring); None: where the target's verifies
-    use the few-rows products (`verify_head.version(target) > 0`). Returns a JSON-ready dict: `runs` (one entry per
+    use the few-rows products (`verify_head.version(target) > 0`); time_prefill: also time a plain one-token
+    generate() per prompt, so that runs report the decoding phase alone (`plain_step_ms`, `decode_speedup`; long
+    prompts, whose prefill is a large share of the time). Returns a JSON-ready dict: `runs` (one entry per
     dataset × temperature × drafter, see `_run_entry`), `baselines` (plain decoding per dataset × temperature),
     `latency` ({label: `measure_latency`}), `padded_baseline` and `all_identical` (T = 0 runs).
     """
@@ -381,8 +429,11 @@ def run_evaluation(
     for name, prompts in encoded.items():
         for temperature in temperatures:
             decoded = {mode: [] for mode in modes}
+            prefills = []
             bar = tqdm(prompts, desc=f"{name} T={temperature:g}", disable=not progress)
             for i, ids in enumerate(bar):
+                if time_prefill:
+                    prefills.append(timed_generate(target, ids, 1)[1])
                 shift = i % len(modes)
                 for mode in modes[shift:] + modes[:shift]:
                     assistant = drafters.get(mode)  # None for both plain modes
@@ -392,7 +443,9 @@ def run_evaluation(
             padded = decoded.get(PADDED)
             baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded))
             for label in drafters:
-                runs.append(_run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded))
+                runs.append(
+                    _run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded, prefills)
+                )
                 if temperature == 0:
                     greedy_rounds[label] += [d[3] for d in decoded[label]]
     latency = {}
@@ -568,6 +621,7 @@ def run_bench(target, tokenizer, drafter, records, max_new_tokens=128, progress=
 
 
 __all__ = [
+    "round_breakdown",
     "run_bench",
     "fixed_draft_length",
     "format_evaluation",
