@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
+from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
 from dspark_hf.decoding.stats import record_draft_rounds
 from dspark_hf.evaluation.harness import round_breakdown, run_evaluation
@@ -22,6 +23,9 @@ from dspark_hf.evaluation.long_context import (
     long_context_sets,
     parse_context_lengths,
 )
+from dspark_hf.integrations.export import check_exportable, export_blockers
+from dspark_hf.training import make_blocks
+from dspark_hf.training.step import drafter_block_hidden, target_features
 from dspark_hf.utils.prompts import encode
 from helpers import char_tokenizer
 
@@ -111,3 +115,81 @@ def test_cli_long_context(tmp_path, capsys):
     assert "verify/plain" in capsys.readouterr().out
     assert main(["bench", "--long-context", "2x"]) == 2
     assert "number of tokens" in capsys.readouterr().err
+
+
+# -- the bounded context window (`DSparkConfig.context_window`) -----------------------------------------------------
+
+
+@torch.no_grad()
+def test_window_in_training_equals_the_drafter_on_the_last_w_features(target):
+    """The training mask with a window gives each block what the drafter gives on the W features before it alone."""
+    window = 5
+    drafter = make_drafter(target, context_window=window)
+    ids = torch.randint(0, 99, (1, 20))
+    blocks = make_blocks(ids, torch.ones(1, 20, dtype=torch.bool), 4, 6, torch.Generator().manual_seed(2), window)
+    feats, _ = target_features(target, ids, drafter.config.target_layer_ids)
+    embed = target.get_input_embeddings()
+    hidden = drafter_block_hidden(drafter, feats, ids, blocks, embed)
+    anchors = blocks.anchors[0].tolist()
+    assert max(anchors) > window + 1  # some blocks do lose context to the window
+    for n, a in enumerate(anchors):
+        start = max(a - window, 0)
+        ref = drafter(
+            noise_embeds=drafter.block_input_embeds(ids[:, a : a + 1], embed),
+            context_hidden_states=feats[:, start:a] if a else None,
+            position_ids=torch.arange(start, a + 4)[None],
+        ).last_hidden_state
+        torch.testing.assert_close(hidden[0, n], ref[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_windowed_decoding_drafts_from_the_last_w_features_and_stays_lossless(target):
+    """In generate(), every block pass sees exactly the W committed positions before its anchor (checked against the
+    drafter run on the final sequence's features), the drafter cache never holds more, and the output is plain
+    greedy's."""
+    window = 6
+    drafter = make_drafter(target, context_window=window, verify_policy="fixed")
+    passes = []
+
+    def spy(module, args, kwargs, output):
+        passes.append((kwargs["position_ids"][0, -4].item(), output.last_hidden_state.clone()))
+        cache = kwargs["cache"]
+        assert cache.get_seq_length() <= window + 4  # W context entries + this block's own (cropped after)
+
+    prompt = torch.randint(0, 99, (1, 17))
+    handle = drafter.register_forward_hook(spy, with_kwargs=True)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    handle.remove()
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=24, do_sample=False))
+    feats, _ = target_features(target, out, drafter.config.target_layer_ids)
+    embed = target.get_input_embeddings()
+    assert len(passes) > 3
+    for anchor, hidden in passes:
+        ref = drafter(
+            noise_embeds=drafter.block_input_embeds(out[:, anchor : anchor + 1], embed),
+            context_hidden_states=feats[:, anchor - window : anchor],
+            position_ids=torch.arange(anchor - window, anchor + 4)[None],
+        ).last_hidden_state
+        torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_windowed_rows_of_different_lengths_match_their_own_greedy(target):
+    drafter = make_drafter(target, context_window=3)
+    prompts = [[5, 17, 3], [40, 2, 9, 11, 7, 33, 8, 1, 1, 2], [61]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=15, assistant_model=drafter)
+    for row, p in zip(out[:, width:].tolist(), prompts):
+        assert row == target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=15)[0, len(p) :].tolist()
+
+
+def test_window_is_checked_and_refused_at_export(target):
+    with pytest.raises(ValueError, match="context_window"):
+        make_drafter(target, context_window=0)
+    drafter = make_drafter(target, context_window=512)
+    assert DSparkDraftModel(drafter.config).config.context_window == 512
+    assert [field for field, _ in export_blockers(drafter.config)] == ["context_window"]
+    with pytest.raises(ValueError, match="context_window"):
+        check_exportable(drafter.config, "vLLM / speculators")
+    assert export_blockers(make_drafter(target).config) == []
