@@ -25,7 +25,12 @@ from dspark_hf.evaluation.long_context import (
 )
 from dspark_hf.integrations.export import check_exportable, export_blockers
 from dspark_hf.training import make_blocks
+from dspark_hf.training.config import DSparkTrainingConfig
+from dspark_hf.training.generate_data import LONG_PROMPT_TOKENS, DataConfig
+from dspark_hf.training.sources import longdoc
+from dspark_hf.training.sources.longdoc import long_document_prompts
 from dspark_hf.training.step import drafter_block_hidden, target_features
+from dspark_hf.training.trainer import build_drafter
 from dspark_hf.utils.prompts import encode
 from helpers import char_tokenizer
 
@@ -87,17 +92,19 @@ def test_rounds_split_into_draft_verify_and_bookkeeping():
 def test_decoding_phase_and_table():
     target, tok = long_target(), chat_tokenizer()
     sets = long_context_sets(tok, [300, 600], num_prompts=1)
-    result = run_evaluation(target, tok, {"d": make_drafter(target)}, sets, 6, progress=False, time_prefill=True)
+    result = run_evaluation(target, tok, {"d": make_drafter(target)}, sets, 6, progress=False)
     assert result["all_identical"] is True
     for run in result["runs"]:
         assert run["prefill_seconds"] > 0 and run["plain_step_ms"] > 0 and run["decode_speedup"] > 0
+        assert run["prefill_seconds"] < run["seconds"] / run["num_prompts"]
     rows = context_rows(result)
     assert [r["dataset"] for r in rows] == ["ctx-300", "ctx-600"] and rows[0]["prompt_tokens"] <= 300
     assert rows[1]["verify_vs_plain"] == pytest.approx(rows[1]["verify_ms"] / rows[1]["plain_step_ms"])
     table = format_long_context(result).splitlines()
     assert table[0].split()[:3] == ["length", "drafter", "tokens"] and table[2].split()[:2] == ["600", "d"]
-    plain = run_evaluation(target, tok, {"d": make_drafter(target)}, sets, 4, progress=False)
-    assert "decode_speedup" not in plain["runs"][0]  # prefills are timed only on request
+    assistant = make_target(num_layers=1, seed=3)  # transformers' own assistant: no verify timings, no split
+    other = run_evaluation(target, tok, {"a": assistant}, {"x": sets["ctx-300"]}, 4, progress=False)
+    assert "decode_speedup" not in other["runs"][0] and other["runs"][0]["round_ms"] is None
 
 
 def test_cli_long_context(tmp_path, capsys):
@@ -111,6 +118,7 @@ def test_cli_long_context(tmp_path, capsys):
     result = json.loads((tmp_path / "evaluation.json").read_text())
     assert list(result["datasets"]) == ["ctx-300", "ctx-1k"] and result["long_context"]["lengths"] == [300, 1024]
     assert result["runs"][1]["per_prompt"][0]["prompt_tokens"] <= 1024 - 5 - 1  # capped to the target's room
+    assert result["padded_baseline"] is False  # a third long prefill per prompt only on request
     assert (tmp_path / "long_context.png").stat().st_size > 0
     assert "verify/plain" in capsys.readouterr().out
     assert main(["bench", "--long-context", "2x"]) == 2
@@ -193,3 +201,40 @@ def test_window_is_checked_and_refused_at_export(target):
     with pytest.raises(ValueError, match="context_window"):
         check_exportable(drafter.config, "vLLM / speculators")
     assert export_blockers(make_drafter(target).config) == []
+
+
+# -- training data: the `longdoc` source ----------------------------------------------------------------------------
+
+
+def test_longdoc_source_gives_long_documents_and_keeps_the_benchmark_out():
+    stream = long_document_prompts(0)
+    records = [next(stream, None) for _ in range(12)]
+    if None in records:
+        pytest.skip("too few long local documents on this machine")
+    for record in records:
+        text = record["messages"][0]["content"]
+        assert record["source"] == "longdoc" and longdoc.MIN_CHARS <= len(text) <= longdoc.MAX_CHARS + 200
+        assert any(q in text for q in longdoc.QUESTIONS)
+    assert {m for _, m in SOURCES} == set(longdoc.BENCHMARK_MODULES)
+    assert longdoc._benchmark_file("/usr/lib/python3.11/logging/__init__.py")
+    assert longdoc._benchmark_file("/x/library/argparse.rst.txt") and not longdoc._benchmark_file("/x/json/decoder.py")
+    text = "\n\n".join(f"paragraph {i} " + "x" * 990 for i in range(40))
+    cut = longdoc.cut_document(text, 9_500)
+    assert len(cut) <= 9_500 and text.startswith(cut) and text[len(cut) : len(cut) + 2] == "\n\n"
+    assert longdoc.cut_document("short", 9_000) is None
+    assert DataConfig(sources=("longdoc",)).max_prompt_tokens == LONG_PROMPT_TOKENS
+    assert DataConfig(sources=("longdoc",), max_prompt_tokens=3000).max_prompt_tokens == 3000
+    assert DataConfig().max_prompt_tokens == 1024
+
+
+def test_training_config_sets_the_window(target, tmp_path):
+    drafter = build_drafter(DSparkTrainingConfig(num_hidden_layers=2, block_size=3, markov_rank=8, context_window=4),
+                            target)  # fmt: skip
+    assert drafter.config.context_window == 4
+    drafter.save_pretrained(tmp_path / "d")
+    again = build_drafter(DSparkTrainingConfig(init_drafter=str(tmp_path / "d")), target)
+    assert again.config.context_window == 4  # kept from the checkpoint when the training config leaves it unset
+    with pytest.raises(ValueError, match="DSpark drafters"):
+        build_drafter(DSparkTrainingConfig(drafter_kind="eagle3", context_window=4), target)
+    with pytest.raises(ValueError, match="context_window"):
+        DSparkTrainingConfig(context_window=0)

@@ -42,6 +42,7 @@ from ..utils.prompts import encode
 logger = logging.get_logger(__name__)
 
 PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain decoding, 2-row steps)
+WARMUP_TOKENS = 256  # the warm-up decodes this much of the first prompt
 
 
 def generation_kwargs(temperature: float) -> dict:
@@ -63,15 +64,23 @@ def stats_from_rounds(rounds) -> DSparkGenerationStats:
     return stats
 
 
+class RoundLog(list):
+    """The `DraftRound`s of one generate(), and `prefill_seconds`: from the call to the first round's start (the
+    prompt's prefill and setup), where this package's decoder logged verify timings; else None."""
+
+    prefill_seconds: float | None = None
+
+
 def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False):
-    """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds); `padded`: plain
-    decoding with 2-row steps (`verify_head.padded_steps`)."""
+    """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`);
+    `padded`: plain decoding with 2-row steps (`verify_head.padded_steps`)."""
     if temperature:
         torch.manual_seed(seed)
     if hasattr(assistant, "generation_stats"):
         assistant.generation_stats = None  # never read the previous call's
     steps = verify_head.padded_steps(target) if padded else contextlib.nullcontext()
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
+        called = time.perf_counter()
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **generation_kwargs(temperature))
     if own:  # one of transformers' assistants: its last round's acceptance shows only in the output's length
         own[-1].accepted = max(0, min(own[-1].proposed, ids.shape[1] + out.numel() - own.input_lengths[-1] - 1))
@@ -81,7 +90,10 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
         stats = getattr(assistant, "generation_stats", None)
         stats = stats_from_rounds(rounds) if stats is None else stats
         stats.num_prompt_tokens, stats.num_new_tokens = ids.shape[1], out.numel()
-    return out.cpu(), seconds, stats, list(rounds)
+    log = RoundLog(rounds)
+    if log and log[0].verify_seconds is not None:
+        log.prefill_seconds = log[0].start - called
+    return out.cpu(), seconds, stats, log
 
 
 class _AssistantRounds(list):
@@ -178,9 +190,8 @@ def _decode_phase(decoded, prefills) -> tuple[int, float]:
     return tokens, sum(max(d[1] - p, 0.0) for d, p in zip(decoded, prefills))
 
 
-def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None, prefills=None) -> dict:
-    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes;
-    `prefills`: seconds of a plain one-token generate() per prompt (the prompt's prefill), where they were timed."""
+def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None) -> dict:
+    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes."""
     stats = [s for _, _, s, _ in decoded]
     pooled = _pool(stats)
     tokens, seconds = _totals(decoded)
@@ -240,15 +251,18 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "draft_ms_per_round_median": statistics.median(draft_ms) if draft_ms else None,
         "draft_fraction": sum(draft_ms) / 1e3 / seconds if seconds else 0.0,
         "round_ms": round_breakdown(d[3] for d in decoded),
-        **_decode_phase_entry(decoded, plain, prefills),
+        **_decode_phase_entry(decoded, plain),
         "per_prompt": per_prompt,
     }
 
 
-def _decode_phase_entry(decoded, plain, prefills) -> dict:
-    """The decoding phase without the prompt's prefill (which costs the same with and without a drafter): the plain
-    step's mean ms and the speedup over plain decoding, where prefills were timed."""
-    if not prefills:
+def _decode_phase_entry(decoded, plain) -> dict:
+    """The decoding phase without the prompt's prefill, which costs the same with and without a drafter (long prompts
+    spend most of a short generate() there): the plain step's mean ms and the speedup over plain decoding. Each
+    prompt's prefill is the drafted run's (`RoundLog.prefill_seconds`; its one target forward is plain decoding's
+    prefill with the hidden states kept), so the plain run is charged the same. Empty where it was not logged."""
+    prefills = [d[3].prefill_seconds if isinstance(d[3], RoundLog) else None for d in decoded]
+    if not prefills or None in prefills:
         return {}
     plain_tokens, plain_seconds = _decode_phase(plain, prefills)
     tokens, seconds = _decode_phase(decoded, prefills)
@@ -394,15 +408,12 @@ def run_evaluation(
     latency_new_tokens: int = 48,
     progress: bool = True,
     padded_baseline: bool | None = None,
-    time_prefill: bool = False,
 ) -> dict:
     """Plain decoding vs every drafter on every dataset at every temperature, plus the draft-latency sweep.
 
     drafters: {label: assistant model}; datasets: {name: prompt records (see `utils.prompts.read_prompts`)};
     padded_baseline: also decode plainly with 2-row steps (see the module docstring); None: where the target's verifies
-    use the few-rows products (`verify_head.version(target) > 0`); time_prefill: also time a plain one-token
-    generate() per prompt, so that runs report the decoding phase alone (`plain_step_ms`, `decode_speedup`; long
-    prompts, whose prefill is a large share of the time). Returns a JSON-ready dict: `runs` (one entry per
+    use the few-rows products (`verify_head.version(target) > 0`). Returns a JSON-ready dict: `runs` (one entry per
     dataset × temperature × drafter, see `_run_entry`), `baselines` (plain decoding per dataset × temperature),
     `latency` ({label: `measure_latency`}), `padded_baseline` and `all_identical` (T = 0 runs).
     """
@@ -419,21 +430,19 @@ def run_evaluation(
         padded_baseline = verify_head.version(target) > 0
     encoded = {name: [encode(tokenizer, r) for r in records] for name, records in datasets.items()}
     first = next(iter(encoded.values()))[0]
+    warm = first[:, :WARMUP_TOKENS]  # a long prompt's prefill would only cost time here
     for assistant in (None, *drafters.values()):  # warm-up of every path
-        timed_generate(target, first, 4, assistant)
+        timed_generate(target, warm, 4, assistant)
     modes = [None, *drafters]  # None: plain decoding
     if padded_baseline:
-        _decode(target, first, 4, None, 0.0, 0, padded=True)
+        _decode(target, warm, 4, None, 0.0, 0, padded=True)
         modes.insert(1, PADDED)
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
     for name, prompts in encoded.items():
         for temperature in temperatures:
             decoded = {mode: [] for mode in modes}
-            prefills = []
             bar = tqdm(prompts, desc=f"{name} T={temperature:g}", disable=not progress)
             for i, ids in enumerate(bar):
-                if time_prefill:
-                    prefills.append(timed_generate(target, ids, 1)[1])
                 shift = i % len(modes)
                 for mode in modes[shift:] + modes[:shift]:
                     assistant = drafters.get(mode)  # None for both plain modes
@@ -443,9 +452,7 @@ def run_evaluation(
             padded = decoded.get(PADDED)
             baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded))
             for label in drafters:
-                runs.append(
-                    _run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded, prefills)
-                )
+                runs.append(_run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded))
                 if temperature == 0:
                     greedy_rounds[label] += [d[3] for d in decoded[label]]
     latency = {}

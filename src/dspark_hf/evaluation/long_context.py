@@ -204,25 +204,97 @@ def format_long_context(result: dict) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines)
 
 
+def _pooled(runs: list[dict]) -> dict:
+    """One run entry from runs of the same dataset × drafter × temperature measured in separate chunks (e.g. one
+    8k prompt per command): counts and seconds summed, rates recomputed from them."""
+    if len(runs) == 1:
+        return runs[0]
+    first, prompts = runs[0], [p for r in runs for p in r["per_prompt"]]
+    reached = [sum(c) for c in zip(*(r["position_reached"] for r in runs))]
+    accepted = [sum(c) for c in zip(*(r["position_accepted"] for r in runs))]
+    forwards = sum(p["num_target_forwards"] for p in prompts)
+    tokens, seconds = sum(p["new_tokens"] for p in prompts), sum(p["seconds"] for p in prompts)
+    plain_seconds = sum(p["seconds_plain"] for p in prompts)
+    merged = {
+        **first,
+        "num_prompts": len(prompts),
+        "all_identical": None if first["all_identical"] is None else all(r["all_identical"] for r in runs),
+        "mismatches": [m for r in runs for m in r["mismatches"]],
+        "acceptance_length": sum(p["acceptance_length"] * p["num_target_forwards"] for p in prompts) / forwards,
+        "per_position_acceptance": [a / n if n else None for a, n in zip(accepted, reached)],
+        "position_reached": reached,
+        "position_accepted": accepted,
+        "num_target_forwards": forwards,
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+        "tokens_per_second_plain": tokens / plain_seconds,
+        "speedup": plain_seconds / seconds,
+        "per_prompt": prompts,
+    }
+    splits = [r["round_ms"] for r in runs if r.get("round_ms")]
+    if len(splits) == len(runs):
+        count = sum(s["rounds"] for s in splits)
+        merged["round_ms"] = {
+            key: sum(s[key] * s["rounds"] for s in splits) / count
+            for key in ("draft", "verify", "bookkeeping", "round")
+        } | {"rounds": count, "drafted": sum(s["drafted"] for s in splits)}
+    if all(r.get("prefill_seconds") is not None for r in runs):
+        prefill = sum(r["prefill_seconds"] * r["num_prompts"] for r in runs)
+        decode_tokens = tokens - len(prompts)
+        merged["prefill_seconds"] = prefill / len(prompts)
+        merged["plain_step_ms"] = 1e3 * (plain_seconds - prefill) / decode_tokens
+        merged["decode_speedup"] = (plain_seconds - prefill) / (seconds - prefill)
+    return merged
+
+
+def merge_results(results: list[dict]) -> dict:
+    """Pool `dspark-hf bench` results measured in chunks (e.g. `--json` of one command per length or prompt): runs
+    of the same dataset × drafter × temperature are pooled (`_pooled`), everything else is taken from the first."""
+    groups: dict[tuple, list[dict]] = {}
+    for result in results:
+        for run in result["runs"]:
+            groups.setdefault((run["dataset"], run["drafter"], run["temperature"]), []).append(run)
+    merged = {**results[0], "runs": [_pooled(runs) for runs in groups.values()]}
+    merged["datasets"] = {}
+    for result in results:
+        for name, info in result["datasets"].items():
+            merged["datasets"].setdefault(name, {"num_prompts": 0})["num_prompts"] += info["num_prompts"]
+    merged["drafters"] = {k: v for r in results for k, v in r["drafters"].items()}
+    merged["all_identical"] = all(r["all_identical"] is not False for r in results)
+    merged["baselines"] = [b for r in results for b in r.get("baselines", [])]
+    return merged
+
+
 def python_version() -> str:
     """The interpreter whose standard library the prompts come from."""
     return ".".join(map(str, sys.version_info[:3]))
 
 
 def main(argv=None) -> int:
-    """Write the prompt sets as JSONL files: `python -m dspark_hf.evaluation.long_context --out DIR`."""
+    """Write the prompt sets as JSONL files: `python -m dspark_hf.evaluation.long_context --out DIR`; or pool
+    results measured in chunks: `... --merge a.json b.json --out DIR` (evaluation.json, long_context.png, table)."""
     import argparse
+    import json
     from pathlib import Path
 
-    from ..utils.files import atomic_write_text
+    from ..utils.files import atomic_write_json, atomic_write_text
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="256,1k,2k,4k,8k")
     parser.add_argument("--num-prompts", type=int, default=2)
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
-    parser.add_argument("--out", required=True, help="folder for ctx-<length>.jsonl")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="pool these `dspark-hf bench --json` results")
+    parser.add_argument("--out", required=True, help="folder for ctx-<length>.jsonl (or the merged result)")
     args = parser.parse_args(argv)
-    import json
+    if args.merge:
+        from .plots import plot_long_context
+
+        result = merge_results([json.loads(Path(p).read_text()) for p in args.merge])
+        atomic_write_json(result, Path(args.out) / "evaluation.json")
+        plot_long_context(result, Path(args.out) / "long_context.png")
+        print(format_long_context(result))
+        return 0
 
     from transformers import AutoTokenizer
 
@@ -246,6 +318,7 @@ __all__ = [
     "length_label",
     "long_context_prompt",
     "long_context_sets",
+    "merge_results",
     "parse_context_lengths",
 ]
 
