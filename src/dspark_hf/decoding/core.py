@@ -194,10 +194,12 @@ class SpeculativeDecoder:
         drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
         record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
         logits, features, hidden = self._verify(drafts)
+        if record is not None:
+            record.verify_seconds = _clock(self.device) - record.start - record.seconds
         accepted, bonus, processed = self._accept(drafts, logits)
         self._commit(drafts, accepted, bonus, processed, logits, features, hidden)
         if record is not None:
-            record.accepted = sum(accepted)
+            record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)
 
     def _caps(self) -> list[int]:

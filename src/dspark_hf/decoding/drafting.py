@@ -94,9 +94,12 @@ class DSparkCandidateGenerator(_Generator):
         Row r appends its n_r new context entries (positions start_r .. start_r + n_r - 1, padded to the longest
         row and masked) and runs the block [anchor, mask, ...] at positions anchor_r .. anchor_r + γ - 1.
         """
-        gamma, device = self.block_size, self.device
-        n_new = torch.tensor([row.context.shape[0] for row in rows], device=device)
-        contexts = [row.context.to(device) for row in rows]
+        gamma, device, window = self.block_size, self.device, getattr(self.config, "context_window", None)
+        # a bounded window (`context_window`) sees only the last W context entries: older ones are never projected
+        contexts = [(row.context if window is None else row.context[-window:]).to(device) for row in rows]
+        n_new = torch.tensor([context.shape[0] for context in contexts], device=device)
+        if window is not None:  # the cache keeps what the window still reaches beside the new entries
+            self.cache.keep_last(window - n_new)
         context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, C, m·d), zero-padded
         width = context.shape[1]
         ctx_valid = torch.arange(width, device=device)[None] < n_new[:, None]  # (B, C)
