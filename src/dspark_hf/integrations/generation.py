@@ -59,7 +59,7 @@ class _GenerateRow(Row):
     checked on the token list; any other criterion (stop strings, user criteria) is asked token by token.
     """
 
-    def __init__(self, padding, prompt, *, processors, others, eos, max_length, seed, keep, streamer, block_size):
+    def __init__(self, padding, prompt, *, processors, others, eos, max_length, seed, keep, block_size):
         super().__init__(prompt, do_sample=seed is not None, seed=seed, block_size=block_size)
         self.padding, self.others, self.eos, self.max_length = padding, others, eos, max_length
         self.processors = processors
@@ -69,7 +69,6 @@ class _GenerateRow(Row):
         # per new token, as generate() returns them: processed (`output_scores`) and raw (`output_logits`) logits
         self.kept: dict[str, list[torch.Tensor]] = {name: [] for name in keep}
         self.keeps_hidden_states = "hidden_states" in keep  # (layers + 1, positions, d) per token
-        self.streamer = streamer
 
     @property
     def length(self) -> int:
@@ -103,9 +102,33 @@ class _GenerateRow(Row):
         for name, values in (("scores", scores), ("logits", logits), ("hidden_states", hidden_states)):
             if name in self.kept and values is not None:
                 self.kept[name] += [value.clone() for value in values[:taken]]
-        if self.streamer is not None and new:
-            self.streamer.put(torch.tensor(new))
         return taken
+
+
+class _Streaming:
+    """What plain `generate()` hands a streamer: the prompt (B, L) first (the caller puts it), then one (B,) tensor
+    per generated position, the pad id for rows that have finished. Rows commit different numbers of tokens per
+    round, so a position goes out once every unfinished row has it. At batch 1 a round's new tokens go out together,
+    as one (n,) tensor (streamers for batch 1 read any number of tokens per call)."""
+
+    def __init__(self, streamer, rows: list[_GenerateRow], pad: int):
+        self.streamer, self.rows, self.pad = streamer, rows, pad
+        self.sent = 0  # positions handed out
+
+    def release(self) -> None:
+        """Put every position that no row can still change (call after a round, and once all rows are done)."""
+        lengths = [len(row.output) for row in self.rows]
+        ready = min((n for n, row in zip(lengths, self.rows) if not row.finished), default=max(lengths))
+        if ready <= self.sent:
+            return
+        if len(self.rows) == 1:
+            self.streamer.put(torch.tensor(self.rows[0].output[self.sent : ready]))
+        else:
+            for t in range(self.sent, ready):
+                self.streamer.put(
+                    torch.tensor([row.output[t] if t < n else self.pad for row, n in zip(self.rows, lengths)])
+                )
+        self.sent = ready
 
 
 def _split_stopping(stopping_criteria) -> tuple[set[int], int | None, StoppingCriteriaList | None]:
@@ -240,13 +263,18 @@ def speculative_generate(
     `output_attentions` is refused: verifies attend over a cache with holes, not plain decoding's).
     Sampling draws one seed per row from torch's global RNG (`torch.manual_seed` before the call reproduces it); a
     row's tokens then depend only on its seed and prompt, not on the policy, the batch or the machine's load.
-    `token_streamer`: a streamer for batch 1; `target_tokenizer` checks the pairing;
+    `token_streamer`: gets what plain decoding's streamer gets (`_Streaming`); `target_tokenizer` checks the pairing;
     `verify_policy` overrides the drafter's. The drafter's `generation_stats` holds the call's statistics.
     """
     if not is_drafter(drafter):
         raise TypeError(
             "speculative_generate needs `drafter=` one of this package's drafters (DSpark or EAGLE-3), got "
             f"{type(drafter).__name__}."
+        )
+    if input_ids.shape[-1] == 0:
+        raise ValueError(
+            f"generate() with a DSpark drafter needs a prompt of at least one token; `input_ids` has shape "
+            f"{tuple(input_ids.shape)} (an empty string encodes to no tokens). Give some text, or start from BOS."
         )
     _check_call(model, generation_config, model_kwargs)
     drafter.config.check_target(model.config, target_tokenizer)
@@ -276,20 +304,23 @@ def speculative_generate(
             max_length=max_length,
             seed=seed,
             keep=keep,
-            streamer=token_streamer,
             block_size=drafter.config.block_size,
         )  # fmt: skip
         for index, ((padding, prompt), seed) in enumerate(zip(prompts, seeds))
     ]
     policy = VerifyPolicy.for_drafter(drafter, model, verify_policy, max_rows=len(rows))
     decoder = SpeculativeDecoder(model, drafter, policy=policy)
+    streaming = None if token_streamer is None else _Streaming(token_streamer, rows, _pad_id(generation_config, eos))
     decoder.prefill(rows)
     while decoder.rows:
+        if streaming is not None:
+            streaming.release()
         decoder.step()
         decoder.retire()
         if not eos:  # plain decoding pads nothing without EOS: a stopped row decodes on until every row stopped
             _settle_length(rows, decoder)
-    if token_streamer is not None:
+    if streaming is not None:
+        streaming.release()
         token_streamer.end()
     drafter.generation_stats = functools.reduce(
         DSparkGenerationStats.merge, [row.stats for row in rows[1:]], rows[0].stats
@@ -312,11 +343,19 @@ def _settle_length(rows: list[_GenerateRow], decoder: SpeculativeDecoder) -> Non
     decoder.retire()
 
 
-def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int]):
-    """`generate()`'s return value: every row padded to the longest (with the pad id, else the first EOS id)."""
+def _pad_id(generation_config, eos: set[int]) -> int:
+    """What finished rows are padded with, as plain decoding pads them: the pad id, else the first EOS id."""
     pad = generation_config.pad_token_id
-    pad = (min(eos) if eos else 0) if pad is None else pad
-    pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    if pad is None:
+        pad = generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, (list, tuple)) and pad else pad
+        pad = (min(eos) if eos else 0) if pad is None or isinstance(pad, (list, tuple)) else pad
+    return pad[0] if isinstance(pad, (list, tuple)) else pad
+
+
+def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int]):
+    """`generate()`'s return value: every row padded to the longest (`_pad_id`)."""
+    pad = _pad_id(generation_config, eos)
     width = max(len(row.output) for row in rows)
     new = torch.tensor([row.output + [pad] * (width - len(row.output)) for row in rows], device=input_ids.device)
     sequences = torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)

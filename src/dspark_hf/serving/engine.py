@@ -184,6 +184,7 @@ class Engine:
             )  # fmt: skip
             if request.seed is None:  # recorded on the request: passing it again reproduces the output
                 request.seed = secrets.randbits(63)
+            request._run_round = self._round_for_a_waiter
             self._requests[request_id] = request
             self._waiting.append(request)
             self._wakeup.notify_all()
@@ -229,6 +230,17 @@ class Engine:
             except BaseException as error:
                 self._fail_all(error)
                 raise
+
+    def _round_for_a_waiter(self) -> bool:
+        """`Request.wait()` / `stream()` while no loop thread runs: one round in the caller's thread (False, and
+        nothing run, when a loop thread runs). A failed round has already ended every request with its error."""
+        if self.is_running:
+            return False
+        try:
+            self.step()
+        except Exception:  # step() has ended every request with the error, which wait() / stream() raise
+            pass
+        return True
 
     def _admit(self) -> list[Request]:
         """Prefill queued requests while the batch has room; returns those finished by their first token."""
@@ -293,7 +305,9 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the loop thread after its current step; unfinished requests stay queued for a later start/step."""
+        """Stop the loop thread after its current step. The engine can start again: unfinished and newly added
+        requests stay queued for a later `start()` or `step()`, and `wait()` / `stream()` on one run its rounds in the
+        caller's thread meanwhile (as on an engine never started)."""
         self._stopping.set()
         with self._lock:
             self._wakeup.notify_all()
