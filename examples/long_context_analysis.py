@@ -8,7 +8,8 @@ Run one part at a time (each takes a few minutes on 2 CPU cores; results accumul
     python examples/long_context_analysis.py stats      # the target features' statistics by position
     python examples/long_context_analysis.py kernels    # which SDPA kernel the verify, draft and plain passes get
     python examples/long_context_analysis.py cost       # ms of a plain step, a verify of 8 and a draft pass by length
-    python examples/long_context_analysis.py rest       # attention, stats, kernels and cost in one process
+    python examples/long_context_analysis.py rest       # cost and attention in one process
+    python examples/long_context_analysis.py routing    # 4k decoding with the verify attention routed or not
 
 Prompts: `evaluation.long_context` (CPython's `logging` documentation and `argparse` source, ~8.1k tokens each).
 Target: the embedded SmolLM2-135M-Instruct (float32); drafter: the shipped default (bf16 where the CPU computes it,
@@ -18,6 +19,7 @@ the last W positions with a window), exactly what greedy verification accepts at
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -28,6 +30,7 @@ from transformers import DynamicCache
 
 from dspark_hf import load_default
 from dspark_hf.evaluation.long_context import long_context_prompt
+from dspark_hf.kernels.verify_attention import routed
 from dspark_hf.training import block_attention_mask
 from dspark_hf.utils.prompts import encode
 
@@ -248,6 +251,13 @@ def part_kernels(args):
     save(args, "kernels", rows)
 
 
+def crop_to(cache, length):
+    """Keep the first `length` positions of a DynamicCache (its `crop` takes the number to remove, negated)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 def timed(fn, repeats=5):
     times = []
     for _ in range(repeats):
@@ -260,8 +270,9 @@ def timed(fn, repeats=5):
 @torch.no_grad()
 def part_cost(args):
     """ms of one plain step (1 token, as generate() runs it), a verify of 8 tokens with the 2-D mask the round
-    passes, and the drafter's block pass with 2 new context entries, over caches of each length; the draft pass with
-    the whole context and with a 512 window."""
+    passes (through transformers' "sdpa", which repeats the key/value heads for GQA whenever there is a mask, and
+    through `verify_attention.routed`, SDPA's own GQA), and the drafter's block pass with 2 new context entries, over
+    caches of each length; the draft pass with the whole context and with a 512 window."""
     target, tokenizer, drafter = load(args)
     items = cached_features(args)
     item = items[0]
@@ -278,22 +289,22 @@ def part_cost(args):
         position_ids=torch.arange(top + gamma)[None],
         cache=dcache,
     )
-    dcache.crop(top)
+    crop_to(dcache, top)
     rows = []
     for length in sorted(LENGTHS, reverse=True):
-        cache.crop(length)
-        dcache.crop(length)
+        crop_to(cache, length)
 
         def plain(length=length):
             target(input_ids=ids[:, length : length + 1], attention_mask=torch.ones(1, length + 1, dtype=torch.long),
                    position_ids=torch.tensor([[length]]), cache=cache, use_cache=True)  # fmt: skip
-            cache.crop(length)
+            crop_to(cache, length)
 
-        def verify(length=length):
-            target(input_ids=ids[:, length : length + 8], attention_mask=torch.ones(1, length + 8, dtype=torch.long),
-                   position_ids=torch.arange(length, length + 8)[None], cache=cache, use_cache=True,
-                   output_hidden_states=True)  # fmt: skip
-            cache.crop(length)
+        def verify(length=length, gqa=False):
+            mask = torch.ones(1, length + 8, dtype=torch.long)
+            with routed(target) if gqa else contextlib.nullcontext():
+                target(input_ids=ids[:, length : length + 8], attention_mask=mask, cache=cache, use_cache=True,
+                       position_ids=torch.arange(length, length + 8)[None], output_hidden_states=True)  # fmt: skip
+            crop_to(cache, length)
 
         def draft(window, length=length):
             layers = [(k[:, :, -(window - 2) :], v[:, :, -(window - 2) :]) for k, v, *_ in dcache] if window else None
@@ -305,14 +316,38 @@ def part_cost(args):
                 position_ids=torch.arange(start, length + gamma)[None],
                 cache=c,
             )
-            c.crop(-(gamma + 2)) if not window else None
+            crop_to(c, length - 2) if not window else None
 
-        dcache.crop(length - 2)
+        crop_to(dcache, length - 2)
         row = {"length": length, "plain_ms": timed(plain), "verify8_ms": timed(verify),
+               "verify8_gqa_ms": timed(lambda: verify(gqa=True)),
                "draft_full_ms": timed(lambda: draft(None)), "draft_w512_ms": timed(lambda: draft(512))}  # fmt: skip
         rows.append(row)
         print({k: round(v, 1) for k, v in row.items()}, flush=True)
     save(args, "cost", rows)
+
+
+def part_routing(args):
+    """The shipped drafter on the two 4k prompts (48 new tokens) with the verify's attention routed through SDPA's
+    own GQA whatever the kernel choice (now) and with it bundled with the products (`verify_attention.ENABLED`
+    False stands for the old behaviour where the choice drops the products), back to back in one process."""
+    from dspark_hf.evaluation.harness import run_evaluation
+    from dspark_hf.kernels import verify_attention
+
+    target, tokenizer, drafter = load(args)
+    records = [long_context_prompt(tokenizer, 4096, i) for i in range(2)]
+    rows = {}
+    for label, enabled in (("bundled", False), ("routed", True)):
+        verify_attention.ENABLED = enabled
+        run = run_evaluation(target, tokenizer, {"d": drafter}, {"ctx-4k": records}, 48, progress=False)["runs"][0]
+        rows[label] = {k: run[k] for k in ("acceptance_length", "speedup", "round_ms", "all_identical")}
+        print(label, rows[label], flush=True)
+    verify_attention.ENABLED = True
+    from dspark_hf.kernels.verify_head import kernel_choice
+
+    rows["products_chosen_by_rows"] = {str(k): v for k, v in kernel_choice(target).chosen.items()}
+    print(rows["products_chosen_by_rows"])
+    save(args, "routing", rows)
 
 
 def save(args, key, value):
@@ -333,10 +368,11 @@ def _cpu():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=["features", "accuracy", "attention", "stats", "kernels", "cost", "rest"])
+    parts = ["features", "accuracy", "attention", "stats", "kernels", "cost", "rest", "routing"]
+    parser.add_argument("part", choices=parts)
     parser.add_argument("--work", default="/tmp/long_context_work", help="cached target features (~200 MB)")
     parser.add_argument("--out", default="docs/results/long-context/analysis.json")
     args = parser.parse_args()
-    parts = ["kernels", "cost", "attention", "stats"] if args.part == "rest" else [args.part]
+    parts = ["cost", "attention"] if args.part == "rest" else [args.part]
     for part in parts:  # "rest": the four after accuracy in one process (one model load)
         globals()[f"part_{part}"](args)

@@ -24,6 +24,7 @@ from dspark_hf.evaluation.long_context import (
     parse_context_lengths,
 )
 from dspark_hf.integrations.export import check_exportable, export_blockers
+from dspark_hf.integrations.hub import model_card
 from dspark_hf.training import make_blocks
 from dspark_hf.training.config import DSparkTrainingConfig
 from dspark_hf.training.generate_data import LONG_PROMPT_TOKENS, DataConfig
@@ -201,6 +202,8 @@ def test_window_is_checked_and_refused_at_export(target):
     with pytest.raises(ValueError, match="context_window"):
         check_exportable(drafter.config, "vLLM / speculators")
     assert export_blockers(make_drafter(target).config) == []
+    assert "- context window: 512 (" in model_card(drafter.config)
+    assert "context window" not in model_card(make_drafter(target).config)
 
 
 # -- training data: the `longdoc` source ----------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import inspect
 import pydoc
 import sys
 
+from .plots import context_rows, plot_long_context
+
 
 # (kind, module): documentation and source code alternate, so any two prompts cover both; each is long enough
 # (with SmolLM2's tokenizer) to fill an 8k-token prompt.
@@ -134,38 +136,6 @@ def long_context_sets(tokenizer, lengths, num_prompts: int = 2, max_prompt_token
         size = length if max_prompt_tokens is None else min(length, max_prompt_tokens)
         sets[f"ctx-{length_label(length)}"] = [long_context_prompt(tokenizer, size, i) for i in range(num_prompts)]
     return sets
-
-
-def context_rows(result: dict) -> list[dict]:
-    """One row per long-context set × drafter of a greedy `run_evaluation` result, in length order: the numbers the
-    table and the plot show (`prompt_tokens` is the mean real length)."""
-    rows = []
-    for run in result["runs"]:
-        if run["temperature"] != 0 or not run["dataset"].startswith("ctx-"):
-            continue
-        round_ms = run.get("round_ms") or {}
-        plain_step = run.get("plain_step_ms")
-        rows.append(
-            {
-                "dataset": run["dataset"],
-                "drafter": run["drafter"],
-                "prompt_tokens": sum(p["prompt_tokens"] for p in run["per_prompt"]) / len(run["per_prompt"]),
-                "identical": run["all_identical"],
-                "tau": run["acceptance_length"],
-                "acceptance_1": run["per_position_acceptance"][0],
-                "plain_tps": run["tokens_per_second_plain"],
-                "speedup": run["speedup"],
-                "decode_speedup": run.get("decode_speedup"),
-                "draft_ms": round_ms.get("draft"),
-                "verify_ms": round_ms.get("verify"),
-                "bookkeeping_ms": round_ms.get("bookkeeping"),
-                "round_ms": round_ms.get("round"),
-                "drafted_rounds": f"{round_ms.get('drafted', 0)}/{round_ms.get('rounds', 0)}",
-                "plain_step_ms": plain_step,
-                "verify_vs_plain": round_ms["verify"] / plain_step if plain_step and round_ms else None,
-            }
-        )
-    return sorted(rows, key=lambda r: (r["drafter"], r["prompt_tokens"]))
 
 
 def format_long_context(result: dict) -> str:
@@ -288,8 +258,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for ctx-<length>.jsonl (or the merged result)")
     args = parser.parse_args(argv)
     if args.merge:
-        from .plots import plot_long_context
-
         result = merge_results([json.loads(Path(p).read_text()) for p in args.merge])
         atomic_write_json(result, Path(args.out) / "evaluation.json")
         plot_long_context(result, Path(args.out) / "long_context.png")

@@ -90,11 +90,41 @@ def _latency(plt, result, path):
     plt.close(fig)
 
 
+def context_rows(result: dict) -> list[dict]:
+    """One row per long-context set × drafter of a greedy `run_evaluation` result, in length order: the numbers
+    `long_context.format_long_context` and `plot_long_context` show (`prompt_tokens` is the mean real length)."""
+    rows = []
+    for run in result["runs"]:
+        if run["temperature"] != 0 or not run["dataset"].startswith("ctx-"):
+            continue
+        round_ms = run.get("round_ms") or {}
+        plain_step = run.get("plain_step_ms")
+        rows.append(
+            {
+                "dataset": run["dataset"],
+                "drafter": run["drafter"],
+                "prompt_tokens": sum(p["prompt_tokens"] for p in run["per_prompt"]) / len(run["per_prompt"]),
+                "identical": run["all_identical"],
+                "tau": run["acceptance_length"],
+                "acceptance_1": run["per_position_acceptance"][0],
+                "plain_tps": run["tokens_per_second_plain"],
+                "speedup": run["speedup"],
+                "decode_speedup": run.get("decode_speedup"),
+                "draft_ms": round_ms.get("draft"),
+                "verify_ms": round_ms.get("verify"),
+                "bookkeeping_ms": round_ms.get("bookkeeping"),
+                "round_ms": round_ms.get("round"),
+                "drafted_rounds": f"{round_ms.get('drafted', 0)}/{round_ms.get('rounds', 0)}",
+                "plain_step_ms": plain_step,
+                "verify_vs_plain": round_ms["verify"] / plain_step if plain_step and round_ms else None,
+            }
+        )
+    return sorted(rows, key=lambda r: (r["drafter"], r["prompt_tokens"]))
+
+
 def plot_long_context(result: dict, path) -> Path:
     """`long_context.png`: τ, speed against plain and a round's ms (draft, verify, the rest; one plain step dotted)
     against the prompt's length, one colour per drafter (`long_context.context_rows`)."""
-    from .long_context import context_rows
-
     plt = _pyplot()
     rows = context_rows(result)
     fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.8))
@@ -146,4 +176,4 @@ def plot_evaluation(result: dict, out_dir) -> list[Path]:
     return paths
 
 
-__all__ = ["PLOT_FILES", "plot_evaluation", "plot_long_context"]
+__all__ = ["PLOT_FILES", "context_rows", "plot_evaluation", "plot_long_context"]

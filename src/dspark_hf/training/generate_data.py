@@ -199,8 +199,8 @@ def plan_prompts(tokenizer, config: DataConfig, guard: EvalGuard | None = None) 
     plan, extra = [], 0
     while True:
         # long documents (the `longdoc` source) are bounded by `max_prompt_tokens` alone
-        max_chars = LONG_PROMPT_CHARS if "longdoc" in config.sources else 4000
-        records = build_prompts(config.num_prompts + extra, config.sources, config.seed, guard, max_chars)
+        long = {"max_chars": LONG_PROMPT_CHARS} if "longdoc" in config.sources else {}
+        records = build_prompts(config.num_prompts + extra, config.sources, config.seed, guard, **long)
         plan = []
         for record in records:
             ids = encode_prompt(tokenizer, record)
