@@ -252,13 +252,24 @@ def cmd_bench(args) -> int:
     except ValueError:
         raise ValueError(f"--latency-lengths {args.latency_lengths!r} must look like 1-16,24.") from None
     _require(all(n >= 1 for n in lengths), f"--latency-lengths {args.latency_lengths!r}: lengths must be >= 1.")
-    if not files:
+    context_lengths = None
+    if args.long_context:
+        from .evaluation.long_context import parse_context_lengths
+
+        context_lengths = parse_context_lengths(args.long_context)
+    if not files and not context_lengths:
         raise ValueError(
             "dspark-hf bench needs prompts: --prompts FILE.jsonl (repeatable) or --datasets name=FILE.jsonl,... "
-            "(see docs/evaluation.md), or --serve for the load benchmark."
+            "(see docs/evaluation.md), --long-context 256,1k,... or --serve for the load benchmark."
         )
     datasets = {name: read_prompts(path)[: args.limit] for name, path in files.items()}
     target, tokenizer, drafters = _load_drafters(args)
+    if context_lengths:
+        from .evaluation.long_context import long_context_sets
+
+        room = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+        cap = room - args.max_new_tokens - 1 if room else None
+        datasets.update(long_context_sets(tokenizer, context_lengths, args.limit or 2, cap))
     if args.verify_policy:
         for drafter in drafters.values():
             if hasattr(drafter.config, "verify_policy"):
@@ -273,12 +284,18 @@ def cmd_bench(args) -> int:
         seed=args.seed,
         latency_lengths=lengths,
         latency_new_tokens=args.latency_new_tokens,
-        padded_baseline=args.padded_baseline,
+        # long prompts: the padded baseline would add a third long prefill per prompt; ask for it explicitly
+        padded_baseline=False if context_lengths and args.padded_baseline is None else args.padded_baseline,
     )
     result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
     for name, path in files.items():
         result["datasets"][name]["path"] = str(path)
     print(format_evaluation(result))
+    if context_lengths:
+        from .evaluation.long_context import format_long_context, python_version
+
+        result["long_context"] = {"lengths": context_lengths, "python": python_version()}
+        print(format_long_context(result))
     written = []
     if args.out:
         from .evaluation.plots import plot_evaluation
@@ -774,6 +791,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSONL with "prompt", "messages" or "turns" per line, named by its file stem; repeatable',
     )
     bench.add_argument("--datasets", help="name=FILE.jsonl,... (e.g. mt-bench=mt-bench.jsonl,gsm8k=gsm8k.jsonl)")
+    bench.add_argument(
+        "--long-context",
+        metavar="LENGTHS",
+        help="also build long-prompt sets at these lengths (e.g. 256,1k,2k,4k,8k; CPython docs and source + a "
+        "question, --limit prompts each, default 2) and report τ, speed and round time per length",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each dataset")
     bench.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,1 (0 = greedy, checked lossless)")

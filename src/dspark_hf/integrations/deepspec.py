@@ -61,7 +61,7 @@ from transformers.utils import logging
 from ..models.configuration_dspark import _GEMMA4_FAMILIES, DSparkConfig
 from ..models.modeling_dspark import DSparkDraftModel
 from ..utils.checkpoints import check_checkpoint_files, read_config_file
-from .export import write_folder
+from .export import window_blockers, write_folder
 
 
 logger = logging.get_logger(__name__)
@@ -398,6 +398,7 @@ def _check_exportable_gemma4(config: DSparkConfig) -> None:
         reasons.append("it learns a mask embedding (`mask_token_id=None`); DeepSpec needs a vocabulary mask token")
     if config.mlp_bias:
         reasons.append("its MLP has biases (`mlp_bias=True`); Gemma-4's has none")
+    reasons += [f"`{field}` = {reason}" for field, reason in window_blockers(config)]
     if reasons:
         raise ValueError(
             "This drafter has no DeepSpec (Gemma4DSparkModel) equivalent: " + "; ".join(reasons) + ". Build it with "
@@ -428,6 +429,7 @@ def _check_exportable(drafter: DSparkDraftModel, target) -> None:
         reasons.append("it learns a mask embedding (`mask_token_id=None`); DeepSpec needs a vocabulary mask token")
     if config.mlp_bias:
         reasons.append("its MLP has biases (`mlp_bias=True`); Qwen3's has none")
+    reasons += [f"`{field}` = {reason}" for field, reason in window_blockers(config)]
     if reasons:
         raise ValueError(
             "This drafter has no DeepSpec (Qwen3DSparkModel) equivalent: " + "; ".join(reasons) + ". Weights cannot "

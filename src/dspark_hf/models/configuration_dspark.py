@@ -369,6 +369,11 @@ class DSparkConfig(DrafterConfig):
             `draft_vocab_ids` buffer of the checkpoint, set with `DSparkDraftModel.set_draft_vocab`), so the LM head
             and the sequential head compute N columns. Verification stays exact: a token outside them is simply
             never drafted.
+        context_window (`int`, *optional*): a block anchored at position a attends to the target features of the
+            `context_window` positions before it (a - W .. a - 1) and no further, in training and in decoding, so
+            the draft pass's cost and behaviour stop depending on the prompt's length (the drafter cache keeps only
+            that many entries). None: the whole context, as DeepSpec and DFlash train and the engines serve.
+            Deviation from DeepSpec: the engines' draft layer has no such window, so export refuses it.
     """
 
     model_type = "dspark"
@@ -386,6 +391,7 @@ class DSparkConfig(DrafterConfig):
     draft_vocab_size: int = 0
     draft_layer: str = "llama"
     attention_k_eq_v: bool = False
+    context_window: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.sts_temperatures is None:
@@ -435,6 +441,11 @@ class DSparkConfig(DrafterConfig):
             raise ValueError(
                 f"`draft_vocab_size` must lie in [0, vocab_size={self.vocab_size}] (0: the whole vocabulary), "
                 f"got {self.draft_vocab_size}."
+            )
+        if self.context_window is not None and (isinstance(self.context_window, bool) or self.context_window < 1):
+            raise ValueError(
+                f"`context_window` must be a number of context positions >= 1, or None for the whole context; got "
+                f"{self.context_window!r}."
             )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
