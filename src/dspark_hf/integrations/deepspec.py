@@ -99,6 +99,8 @@ _EXTRA_FIELDS = (
     "target_chat_template_hash",
 )
 _PREFIXES = ("_orig_mod.", "model.")
+# target fields a DeepSpec config.json must carry: without them the rebuilt target config takes its family's defaults
+_TARGET_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")
 # `revision`, `local_files_only`, `cache_dir` and `token` only matter while resolving a Hub id
 # (`resolve_deepspec_folder`).
 _LOAD_KWARGS = (
@@ -199,6 +201,12 @@ def dspark_config_from_deepspec(config: dict) -> DSparkConfig:
             f"model_type={config.get('model_type')!r})."
         )
     _require(config, "num_target_layers", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id")
+    missing = [name for name in _TARGET_FIELDS if name not in config]
+    if missing:
+        raise ValueError(
+            f"DeepSpec config lacks the target field(s) {missing}, which size the draft layers and the vocabulary; "
+            "DeepSpec copies them from the target's config.json: copy them back."
+        )
     _require(config, "markov_rank", "enable_confidence_head")
     rank = int(config["markov_rank"])
     if rank > 0:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import logging
 
@@ -195,6 +196,18 @@ class DrafterConfig(PreTrainedConfig):
         # Checked here, not only by @strict's validators, so that users get a plain ValueError.
         self.validate_architecture()
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        """`PreTrainedConfig.from_dict` (what `from_pretrained` reads a config.json with); a field of the wrong type
+        (`"block_size": "4"`) is a `ValueError` naming the field and the type it needs."""
+        try:
+            return super().from_dict(config_dict, **kwargs)
+        except StrictDataclassError as err:
+            cause = err.__cause__ if err.__cause__ is not None else err
+            raise ValueError(
+                f"Invalid {cls.__name__} (config.json): {' '.join(str(cause).split())}; correct that field."
+            ) from None
 
     def validate_architecture(self):
         """Checks the shared fields and raises `ValueError` naming the bad value and the fix."""
