@@ -6,6 +6,7 @@ any model loads.
 """
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -53,6 +54,21 @@ def _check_model_path(path, option: str, drafter: bool = False):
         return read_drafter_config(path)
     except (OSError, ValueError) as err:
         raise type(err)(f"{option}: {err}") from None
+
+
+def _holds_a_causal_lm(path) -> bool:
+    """Whether a local folder holds a transformers model that is none of this package's drafters (nor DeepSpec's)."""
+    from .integrations.deepspec import is_deepspec_config
+    from .models.configuration_dspark import DSparkConfig
+    from .models.configuration_eagle3 import Eagle3Config
+
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # missing or unreadable: the drafter check names it
+    if not isinstance(config, dict) or is_deepspec_config(config):
+        return False
+    return config.get("model_type") not in (None, DSparkConfig.model_type, Eagle3Config.model_type)
 
 
 def _check_hub_id(name: str, option: str) -> None:
@@ -199,7 +215,8 @@ def _check_bench_args(args) -> None:
     _at_least(args, 1, "limit", "max_new_tokens", "latency_new_tokens", "requests_per_client")
     _check_model_path(args.target, "--target")
     for path in parse_drafters(args.drafter or []).values():
-        _check_model_path(path, "--drafter", drafter=True)
+        # bench also times transformers' own assistants (any causal LM): only this package's drafters are read
+        _check_model_path(path, "--drafter", drafter=not _holds_a_causal_lm(path))
 
 
 def _check_server(url: str) -> None:
