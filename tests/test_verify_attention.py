@@ -20,6 +20,7 @@ from conftest import make_drafter, make_target
 from dspark_hf.kernels import verify_attention, verify_head
 from dspark_hf.kernels.verify_attention import ATTN_IMPLEMENTATION, routable, verify_sdpa_attention_forward
 from dspark_hf.kernels.verify_head import padded_steps, verify_kernels
+from dspark_hf.kernels.verify_linears import KernelTable, VerifyKernels
 from dspark_hf.serving.engine import Engine
 
 
@@ -198,4 +199,15 @@ def test_engine_and_padded_baseline_use_it(monkeypatch):
     with padded_steps(target):
         padded = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)
     assert torch.equal(padded, plain) and calls.count(True) == 4 * 11  # 11 padded steps, 4 layers each
+    assert target.config._attn_implementation == "sdpa"
+
+
+def test_verifies_without_the_products_still_read_the_cache_unrepeated():
+    """A kernel choice that drops the few-rows products keeps the attention routed (SDPA's own GQA): that halves a
+    verify over a long cache and is never slower (docs/long_context.md)."""
+    target = sdpa_target()
+    choice = VerifyKernels(KernelTable({3: ("linear", 3)}))  # measured: plain linears win at 3 rows here
+    with choice.verify(target, 3):
+        assert target.config._attn_implementation == ATTN_IMPLEMENTATION
+        assert not any(type(m) is not torch.nn.Linear for m in verify_head.eligible_linears(target))
     assert target.config._attn_implementation == "sdpa"

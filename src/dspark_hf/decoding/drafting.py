@@ -2,7 +2,8 @@
 
 A candidate generator proposes drafts for every row of the batch at once and keeps the drafter's own state between
 rounds. `propose(rows, caps, policy)` returns a `core.Drafts`: the draft tokens, the processed draft logits they were
-drawn from (what rejection sampling compares against) and, where the drafter has a confidence head, the calibrated
+chosen from (argmax, or for a sampling row argmax(logits + g) with the noise g its target choice at that position
+uses, `randomness.py`) and, where the drafter has a confidence head, the calibrated
 conditional acceptance of each position examined. The policy then chooses how many to verify.
 
 - `DSparkCandidateGenerator` (DSpark, DFlash mode included): each row appends the target features it committed
@@ -21,6 +22,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..kernels.packed_linear import pack_linears
+from ..kernels.weights import model_device, module_device, out_features
 from ..models.configuration_dspark import EARLY_DRAFT_POSITIONS
 from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
@@ -61,7 +63,7 @@ class _Generator:
         if self.lm_head is None:
             raise ValueError(f"{type(target).__name__} has no output embeddings (LM head) for the drafter to borrow.")
         self.device = next(drafter.parameters()).device
-        self.target_device = next(target.parameters()).device
+        self.target_device = model_device(target)
         pack_linears(drafter)  # the drafter's CPU linears through oneDNN's packed weights (packed_linear.py)
 
 
@@ -92,9 +94,12 @@ class DSparkCandidateGenerator(_Generator):
         Row r appends its n_r new context entries (positions start_r .. start_r + n_r - 1, padded to the longest
         row and masked) and runs the block [anchor, mask, ...] at positions anchor_r .. anchor_r + γ - 1.
         """
-        gamma, device = self.block_size, self.device
-        n_new = torch.tensor([row.context.shape[0] for row in rows], device=device)
-        contexts = [row.context.to(device) for row in rows]
+        gamma, device, window = self.block_size, self.device, getattr(self.config, "context_window", None)
+        # a bounded window (`context_window`) sees only the last W context entries: older ones are never projected
+        contexts = [(row.context if window is None else row.context[-window:]).to(device) for row in rows]
+        n_new = torch.tensor([context.shape[0] for context in contexts], device=device)
+        if window is not None:  # the cache keeps what the window still reaches beside the new entries
+            self.cache.keep_last(window - n_new)
         context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, C, m·d), zero-padded
         width = context.shape[1]
         ctx_valid = torch.arange(width, device=device)[None] < n_new[:, None]  # (B, C)
@@ -105,7 +110,7 @@ class DSparkCandidateGenerator(_Generator):
         position_ids = torch.cat([ctx_positions, block_positions], dim=1)  # (B, C + γ)
         keys = torch.cat([self.cache.valid, ctx_valid, ctx_valid.new_ones(len(rows), gamma)], dim=1)
         mask = None if bool(keys.all()) else keys[:, None, None, :].expand(-1, 1, gamma, -1)  # (B, 1, γ, K)
-        anchor_ids = torch.tensor([[row.seq[-1]] for row in rows], device=self.embed_tokens.weight.device)
+        anchor_ids = torch.tensor([[row.seq[-1]] for row in rows], device=module_device(self.embed_tokens))
         out = self.drafter(
             noise_embeds=self.drafter.block_input_embeds(anchor_ids, self.embed_tokens),
             context_hidden_states=context,
@@ -123,10 +128,11 @@ class DSparkCandidateGenerator(_Generator):
         """Token-by-token sampling through the sequential head for all rows at once (DSpark §3.5).
 
         hidden (B, γ, d). For k = 1..K: the confidence c_k from [h_k; x_{k-1}] (before x_k exists), then x_k from
-        processors(U_k + B_k(x_{k-1})): argmax, or a draw. Row r examines `caps[r]` positions. With `early`, a policy
-        that can stop early stops before sampling position k once the survivals seen (c_k included) settle every
-        row's verify length short of it: under load Algorithm 1 often verifies 0-1 drafts per row, and the rest of
-        the block would be sampled for nothing (this reads each position's confidences back: one host sync each).
+        processors(U_k + B_k(x_{k-1})): argmax, or the row's Gumbel-max draw at x_k's position. Row r examines
+        `caps[r]` positions. With `early`, a policy that can stop early stops before sampling position k once the
+        survivals seen (c_k included) settle every row's verify length short of it: under load Algorithm 1 often
+        verifies 0-1 drafts per row, and the rest of the block would be sampled for nothing (this reads each
+        position's confidences back: one host sync each).
         """
         steps = max(caps)
         prev = torch.tensor([[row.seq[-1]] for row in rows], device=hidden.device)  # (B, 1): the anchors
@@ -157,7 +163,8 @@ class DSparkCandidateGenerator(_Generator):
             logits = process_logits(rows, logits[:, None], tokens, first=k)[:, 0]
             logits = self._draft_vocab_fallback(logits, rows, h_k, prev, state, tokens, k)
             state = next_state
-            tokens[:, k] = choose_tokens(rows, logits, live=[k < cap for cap in caps])
+            # a sampling row's draft at position t uses the noise its target choice at t will use (the coupling)
+            tokens[:, k] = choose_tokens(rows, logits[:, None], first=k, counts=[int(k < cap) for cap in caps])[:, 0]
             if logits_out is not None:
                 logits_out[:, k] = logits
             prev = tokens[:, k : k + 1]
@@ -223,6 +230,9 @@ class Eagle3CandidateGenerator(_Generator):
             def processors(ids, scores, row=row, length=length):
                 return process_logits([row], scores[:, None], ids[:, length:], first=ids.shape[1] - length)[:, 0]
 
+            def choose(ids, scores, row=row, length=length):  # argmax, or the row's Gumbel-max draw at this position
+                return choose_tokens([row], scores[:, None], first=ids.shape[1] - length)[:, 0]
+
             drafted.append(
                 self.drafter.draft(
                     seq,
@@ -232,14 +242,14 @@ class Eagle3CandidateGenerator(_Generator):
                     self.lm_head,
                     cap,
                     logits_processor=processors,
-                    do_sample=row.do_sample,
+                    choose=choose,
                 )  # fmt: skip
             )
             row.context = None
         tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=self.target_device)
         logits = None
         if any(row.do_sample for row in rows):
-            logits = torch.zeros(len(rows), steps, self.lm_head.weight.shape[0], device=self.target_device)
+            logits = torch.zeros(len(rows), steps, out_features(self.lm_head), device=self.target_device)
         for i, draft in enumerate(drafted):
             if draft is not None:
                 n = draft.tokens.shape[1]

@@ -27,6 +27,7 @@ from transformers.utils import logging
 
 from ..kernels.verify_head import eligible_linears, version
 from ..kernels.verify_linears import KernelTable, kernel_choice
+from ..kernels.weights import model_device, per_token_activations, per_token_linears, quantization
 from .scheduler import SPS
 
 
@@ -79,7 +80,8 @@ def device_key(device, dtype) -> str:
 
 
 def target_fingerprint(target) -> dict:
-    """{model_type, hidden_size, num_hidden_layers, vocab_size} of the target's (text) config."""
+    """{model_type, hidden_size, num_hidden_layers, vocab_size} of the target's (text) config, and how its linears
+    are quantized ("quantization", only for a quantized target: `weights.quantization`)."""
     config = target.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     fingerprint = {}
@@ -88,12 +90,14 @@ def target_fingerprint(target) -> dict:
         if value is None:
             value = getattr(config, field, None)
         fingerprint[field] = value
+    quantized = quantization(target)
+    if quantized is not None:  # only then: profiles of full-precision targets keep their fingerprint
+        fingerprint["quantization"] = quantized
     return fingerprint
 
 
 def _target_device_dtype(target) -> tuple[torch.device, torch.dtype]:
-    param = next(target.parameters())
-    return param.device, param.dtype
+    return model_device(target), next(target.parameters()).dtype
 
 
 # -- measuring ----------------------------------------------------------------------------------------------------
@@ -170,6 +174,7 @@ def profile_target(
     linears = eligible_linears(target) if device.type == "cpu" else []
     kernels = kernel_choice(target) if linears else None
     table = kernels.ensure(target, linears) if kernels is not None else None
+    per_token = per_token_linears(target)
 
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
@@ -188,7 +193,10 @@ def profile_target(
                     ids = random_ids(b, k)
                     _sync(device)
                     start = time.perf_counter()
-                    with kernels.verify(target, b * k, linears) if kernels else contextlib.nullcontext():
+                    with (
+                        kernels.verify(target, b * k, linears) if kernels else contextlib.nullcontext(),
+                        per_token_activations(target, per_token),  # as the decode loop verifies (weights.py)
+                    ):
                         target(input_ids=ids, use_cache=True, **{cache_arg: cache})
                     _sync(device)
                     elapsed = time.perf_counter() - start
@@ -364,7 +372,8 @@ def _profile_mismatch(profile: dict, target, min_tokens: int | None = None) -> s
         if threads is not None and threads != torch.get_num_threads():
             return f"profiled with {threads} torch threads, this process runs {torch.get_num_threads()}"
     fingerprint = target_fingerprint(target)
-    stored = {field: profile["target"].get(field) for field in _FINGERPRINT_FIELDS}
+    stored = {field: profile["target"].get(field) for field in (*_FINGERPRINT_FIELDS, "quantization")}
+    fingerprint.setdefault("quantization", None)
     if stored != fingerprint:
         return f"profiled for target {stored}, this target is {fingerprint}"
     uses = version(target)

@@ -33,6 +33,7 @@ from torch import nn
 from . import verify_attention
 from .few_rows import linear_few_rows
 from .verify_attention import routable, routed  # (also how remote-code loading finds the module to copy)
+from .weights import computes_with_weight
 
 
 ENABLED = True
@@ -51,7 +52,7 @@ class VerifyLinear(nn.Linear):
     """
 
     max_rows = MAX_ROWS
-    computes_as_linear = True  # the same product as `nn.Linear` (modeling_dspark's `_plain_linear` reads this)
+    computes_as_linear = True  # the same product as `nn.Linear`, on the same dense weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.numel() // max(hidden.shape[-1], 1)
@@ -69,16 +70,16 @@ class VerifyHead(VerifyLinear):
 def _eligible(module) -> bool:
     return (
         type(module) is nn.Linear
+        and computes_with_weight(module)  # no quantized or subclass weight, no accelerate hook (weights.py)
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
-        and not hasattr(module, "_hf_hook")
         and "forward" not in vars(module)  # someone replaced its forward already: leave it alone
     )
 
 
 def eligible_linears(model) -> list[nn.Linear]:
-    """The plain float32 CPU `nn.Linear`s of `model` that verify passes compute the few-rows way (accelerate-hooked,
-    replaced or other-typed linears are left alone)."""
+    """The plain float32 CPU `nn.Linear`s of `model` that verify passes compute the few-rows way (quantized,
+    accelerate-hooked, replaced or other-typed linears are left alone: `weights.computes_with_weight`)."""
     return [m for m in model.modules() if _eligible(m)]
 
 
