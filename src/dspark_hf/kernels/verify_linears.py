@@ -303,18 +303,29 @@ def measure(
 
 
 def _one_pass(way: str, inputs: dict, linears: list[nn.Linear], head, packs: TargetPacks | None) -> None:
-    """Every linear of the target once on `inputs[in_features]`, the `way` a verify would run it."""
+    """Every linear of the target called once on `inputs[in_features]`, through the module call a verify makes in
+    the `way`'s scope (so the measurement includes each way's per-call overhead, and fused siblings share a call)."""
+    model = _Linears(linears, head)
     if way == "packed":
-        for group in packs.groups:
-            group.product(inputs[group.members[0].in_features], 0)
-        return
-    for m in linears:
-        x = inputs[m.in_features]
-        limit = verify_head.MAX_ROWS_HEAD if m is head else verify_head.MAX_ROWS
-        if way == "few rows" and verify_head.MIN_ROWS <= x.shape[0] <= limit:
-            verify_head.linear_few_rows(x, m.weight, m.bias)
-        else:
-            nn.functional.linear(x, m.weight, m.bias)
+        scope = packs.scope(model)
+    elif way == "few rows":
+        scope = verify_kernels(model, linears)
+    else:
+        scope = contextlib.nullcontext()
+    with scope:
+        for m in linears:
+            m(inputs[m.in_features])
+
+
+class _Linears(nn.Module):
+    """A stand-in model for `_one_pass`'s scopes: no config (nothing to route), the LM head as its output layer."""
+
+    def __init__(self, linears, head):
+        super().__init__()
+        object.__setattr__(self, "_head", head)  # not registered: the user's modules stay where they are
+
+    def get_output_embeddings(self):
+        return self._head
 
 
 class VerifyKernels:
