@@ -11,6 +11,7 @@ from dspark_hf.kernels.verify_attention import ATTN_IMPLEMENTATION
 from dspark_hf.kernels.verify_linears import (
     KernelTable,
     PackedVerifyLinear,
+    VerifyKernels,
     free_packs,
     kernel_choice,
     measure,
@@ -132,3 +133,24 @@ def test_a_measured_choice_is_kept_per_target_and_used_by_decode_loops(monkeypat
 
     monkeypatch.setattr(verify_linears, "measure", no_measuring)
     assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=12, assistant_model=drafter), plain)
+
+
+def test_the_choice_follows_measured_verify_times_and_retries_the_other_way():
+    """The table says packed; verifies measured slower packed than with `F.linear` (a loaded machine) switch to
+    `F.linear`, every `retry`-th verify tries packed again, and packed returns once it measures faster."""
+    choice = VerifyKernels(KernelTable({4: ("packed", 4)}), retry=4, weight=0.5)
+    cost = {"packed": 0.09, "linear": 0.05}
+    ways = []
+    for _ in range(16):
+        way = choice.pick(4, "packed")
+        ways.append(way)
+        choice.record(4, way, cost[way])
+    assert ways[:4] == ["packed", "packed", "packed", "linear"]  # the retry measures F.linear (its warm-up)
+    assert ways[7] == "linear" and ways[8:11] == ["linear"] * 3 and ways[11] == "packed"  # switched; retries packed
+    cost["packed"] = 0.01  # the load is gone
+    for _ in range(12):
+        way = choice.pick(4, "packed")
+        ways.append(way)
+        choice.record(4, way, cost[way])
+    assert ways[-4:] == ["packed"] * 3 + ["linear"]  # packed again, F.linear only on its retries
+    assert choice.pick(2, "linear") == "linear"  # nothing else to try where the table says F.linear

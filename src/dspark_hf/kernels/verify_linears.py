@@ -330,10 +330,27 @@ class _Linears(nn.Module):
 
 class VerifyKernels:
     """How one target's verify passes (and plain steps in a decode loop) run on this machine: a `KernelTable`,
-    measured on first use (`measure`) unless set from a matching profile (`profiling.sps_for`)."""
+    measured on first use (`measure`) unless set from a matching profile (`profiling.sps_for`), kept up to date as
+    it runs.
 
-    def __init__(self, table: KernelTable | None = None):
-        self.table = table
+    The table is measured on a quiet machine; another process on the same cores changes which way is fastest
+    (oneDNN's many small calls wait on busy threads longer than transformers' own products). So each verify is
+    timed, per row count and way (exponentially weighted, `weight`; each way's first verify, which may pack the
+    weights, left out), every `retry`-th verify at a row count runs the other way (the table's, or
+    transformers' own `F.linear`), and the way with the lower measured time is used.
+    """
+
+    def __init__(
+        self,
+        table: KernelTable | None = None,
+        retry: int = 16,
+        weight: float = 0.3,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.table, self.retry, self.weight, self.clock = table, retry, weight, clock
+        self.seconds: dict[tuple[int, str], float] = {}  # (rows, way) -> smoothed seconds of a verify
+        self.seen: dict[tuple[int, str], int] = {}
+        self.verifies: dict[int, int] = {}
 
     def ensure(self, model: nn.Module, linears: list[nn.Linear] | None = None) -> KernelTable:
         if self.table is None:
@@ -345,6 +362,27 @@ class VerifyKernels:
             )
         return self.table
 
+    def pick(self, rows: int, way: str) -> str:
+        """The way this verify of `rows` rows runs: the table's `way` or `F.linear`, whichever measured faster
+        lately, and every `retry`-th verify the other one."""
+        n = self.verifies.get(rows, 0)
+        self.verifies[rows] = n + 1
+        if way == "linear":
+            return way
+        mine, other = self.seconds.get((rows, way)), self.seconds.get((rows, "linear"))
+        best = "linear" if mine is not None and other is not None and other < mine else way
+        if n % self.retry == self.retry - 1:
+            return way if best == "linear" else "linear"
+        return best
+
+    def record(self, rows: int, way: str, seconds: float) -> None:
+        key = (rows, way)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] == 1:
+            return  # a warm-up (packing the weights, first kernels)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
     @contextlib.contextmanager
     def verify(self, model: nn.Module, rows: int, linears: list[nn.Linear] | None = None):
         """One forward of `rows` rows through the target, its linears the measured way."""
@@ -352,7 +390,11 @@ class VerifyKernels:
             way, pad = FORCE, rows
         else:
             way, pad = self.ensure(model, linears).way(rows) if verify_head.ENABLED else ("linear", rows)
-        if way == "packed" and packable(model, linears):
+            way = self.pick(rows, way) if verify_head.ENABLED else way
+        if way == "packed" and not packable(model, linears):
+            way = "linear"
+        start = self.clock()
+        if way == "packed":
             with packs_for(model, linears).scope(model, pad):
                 yield
         elif way == "few rows":
@@ -361,6 +403,8 @@ class VerifyKernels:
         else:
             with routed(model):
                 yield
+        if FORCE is None:
+            self.record(rows, way, self.clock() - start)
 
 
 _CHOICES: "weakref.WeakKeyDictionary[nn.Module, VerifyKernels]" = weakref.WeakKeyDictionary()
