@@ -109,7 +109,7 @@ def test_plots_and_summary(cli_run, capsys):
     assert ["bee", "llama", "1", "2", "-"] in [row[:5] for row in rows]  # no identity check when sampling
     assert ["a", "dspark", "0", "2", "2/2"] in [row[:5] for row in rows] and "MISMATCH" not in table
     assert table.splitlines()[0].endswith("speedup  vs padded")
-    assert "padded plain (2-row steps, no drafts)  bee / T=0: " in table and "same tokens as plain: True" in table
+    assert "padded plain (verify kernels, no drafts)  bee / T=0: " in table and "same tokens as plain: True" in table
 
 
 def test_results_feed_the_model_card(cli_run, tmp_path):

@@ -165,13 +165,13 @@ def cmd_demo(args) -> int:
     padded = result["tokens_per_second_padded"]
     if padded is not None and padded > result["tokens_per_second_plain"]:
         print(
-            f"speedup over plain decoding with 2-row steps (the same fast verify kernels, no drafts): "
+            f"speedup over plain decoding through the same verify kernels (one-token steps, no drafts): "
             f"{result['speedup_vs_padded']:.2f}x ({padded:.1f} tok/s), what speculation itself buys here"
         )
     elif padded is not None:
         print(
-            f"the few-row verify kernels do not pay on this CPU (2-row steps: {padded:.1f} tok/s), so verifies run "
-            "without them and the speedup above is what speculation itself buys"
+            f"the verify kernels do not make plain steps faster on this CPU ({padded:.1f} tok/s), so the speedup "
+            "above is what speculation itself buys"
         )
     return 0 if result["all_identical"] else 1
 
@@ -834,8 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--padded-baseline",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="also time plain decoding with 2-row steps, the kernel-neutral baseline (speedup_vs_padded); default: "
-        "on where the target's verifies use the few-rows products (float32 on the CPU)",
+        help="also time plain decoding through the verify kernels, the kernel-neutral baseline (speedup_vs_padded); "
+        "default: on where the target's verifies can use them (float32 on the CPU)",
     )
     bench.add_argument("--out", help="folder for evaluation.json and the PNG plots")
     bench.add_argument("--json", help="write the full result JSON here")

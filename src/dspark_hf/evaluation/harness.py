@@ -41,7 +41,7 @@ from ..utils.prompts import encode
 
 logger = logging.get_logger(__name__)
 
-PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain decoding, 2-row steps)
+PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain steps through the verify kernels)
 WARMUP_TOKENS = 256  # the warm-up decodes this much of the first prompt
 
 
@@ -531,7 +531,7 @@ def format_evaluation(result: dict) -> str:
             same = "" if b["padded_identical"] is None else f", same tokens as plain: {b['padded_identical']}"
             rate = b["tokens_per_second_padded"]
             lines.append(
-                f"padded plain (2-row steps, no drafts)  {b['dataset']} / T={b['temperature']:g}: {rate:.1f} tok/s "
+                f"padded plain (verify kernels, no drafts)  {b['dataset']} / T={b['temperature']:g}: {rate:.1f} tok/s "
                 f"= {rate / b['tokens_per_second']:.2f}x of plain{same}"
             )
     for label, lat in result.get("latency", {}).items():
