@@ -28,12 +28,13 @@ from contextlib import nullcontext
 import torch
 
 from ..kernels.verify_head import eligible_linears, kernel_choice
-from .acceptance import accept_greedy, accept_speculative_sampling
+from .acceptance import accept_greedy, accept_speculative_sampling, accept_tree
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, choose_tokens, process_logits
 from .stats import RECORDERS, DraftRound
+from .trees import slot_parents, slot_paths, tree_attention_mask
 
 
 class SpeculativeDecoder:
@@ -115,6 +116,7 @@ class SpeculativeDecoder:
         """
         if not rows:
             return []
+        self._check_tree(rows)
         lengths = [len(row.seq) for row in rows]
         width = max(lengths)
         ids = torch.tensor([row.seq + [0] * (width - len(row.seq)) for row in rows], device=self.device)
@@ -182,11 +184,32 @@ class SpeculativeDecoder:
         drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
         record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
         logits, features, hidden = self._verify(drafts)
-        accepted, bonus, processed = self._accept(drafts, logits)
-        self._commit(drafts, accepted, bonus, processed, logits, features, hidden)
+        accepted, bonus, processed, path_slots = self._accept(drafts, logits)
+        self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
         if record is not None:
             record.accepted = sum(accepted)
             RECORDERS[-1].append(record)
+
+    @property
+    def tree_budget(self) -> int:
+        """The drafter's `config.tree_budget` (0: chains), read each round."""
+        return getattr(self.candidates, "tree_budget", 0) if self.candidates is not None else 0
+
+    def _check_tree(self, rows: list[Row]) -> None:
+        """Trees need every layer to see exactly the mask given and greedy rows; refuse anything else by name."""
+        budget = self.tree_budget
+        if not budget:
+            return
+        if self.sliding:
+            raise ValueError(
+                f"drafter.config.tree_budget={budget}, but {type(self.target).__name__} has sliding-window layers, "
+                "which cannot take a tree's attention mask. Set drafter.config.tree_budget = 0 (chains)."
+            )
+        if any(row.do_sample for row in rows):
+            raise ValueError(
+                f"drafter.config.tree_budget={budget} drafts trees for greedy decoding only; for sampling set "
+                "drafter.config.tree_budget = 0 (chains), or decode greedily (do_sample=False / temperature 0)."
+            )
 
     def _caps(self) -> list[int]:
         """Drafts each row may examine: `num_assistant_tokens`, and one fewer than its remaining budget (the bonus
@@ -211,8 +234,11 @@ class SpeculativeDecoder:
         gate = self.policy.gate
         start = time.perf_counter()
         caps = self._caps()
+        self._check_tree(self.rows)
         drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
-        drafts.lengths = self.policy.lengths(drafts.conditional, caps)
+        # a chain's caps bound its positions, a tree's its depth: the policy then chooses among its nodes
+        limits = drafts.lengths if drafts.is_tree else caps
+        drafts.lengths = self.policy.lengths(drafts.conditional, limits)
         if gate is not None:  # the survivals were read back: the time includes the device's work
             gate.record(time.perf_counter() - start, drafts.conditional)
             for row, conditional in zip(self.rows, drafts.conditional):
@@ -232,28 +258,42 @@ class SpeculativeDecoder:
         anchors = torch.tensor([[row.seq[-1]] for row in self.rows], device=self.device)
         ids = torch.cat([anchors, drafts.tokens[:, : width - 1].to(self.device)], dim=1)  # (B, W)
         slots = torch.arange(width, device=self.device)
-        position_ids = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None] + slots
-        mask = self.target_cache.attention_mask(slots[None] <= lengths[:, None])  # (B, T + W)
+        anchor_positions = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None]
+        new_valid = slots[None] <= lengths[:, None]  # (B, W)
+        if drafts.is_tree:  # slot s at position anchor + its depth, seeing the cache and its own ancestors
+            depths = torch.cat([slots.new_zeros(len(self.rows), 1), drafts.depths[:, : width - 1].to(self.device)], 1)
+            position_ids = anchor_positions + depths
+            parents = slot_parents(drafts.parents.to(self.device), width)
+            dtype = self.target.get_input_embeddings().weight.dtype
+            max_depth = self.block_size
+            mask = tree_attention_mask(self.target_cache.valid, parents, new_valid, max_depth, dtype)  # (B,1,W,T+W)
+        else:
+            position_ids = anchor_positions + slots
+            mask = self.target_cache.attention_mask(new_valid).long()  # (B, T + W)
         with self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext():
             out = self.target(
-                input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
+                input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                 output_hidden_states=bool(self.taps) or keep_hidden, **{self.cache_arg: self.target_cache.cache},
             )  # fmt: skip
         self.counts["rounds"] += 1
         features = self._features(out) if self.taps else None
         return out.logits.to(self.device).float(), features, out.hidden_states if keep_hidden else None
 
-    def _accept(self, drafts: Drafts, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
-        """Accepted draft count and bonus token per row, and the processed target logits (B, W, V).
+    def _accept(self, drafts: Drafts, logits: torch.Tensor):
+        """Accepted draft count and bonus token per row, the processed target logits (B, W, V) and, for trees, the
+        slots of each row's accepted path (the anchor's included; None for chains).
 
-        Greedy rows: the longest prefix of drafts equal to the processed target argmax, then the argmax after it.
+        Greedy rows: the longest prefix of drafts equal to the processed target argmax, then the argmax after it;
+        a tree: the deepest path whose every node is the processed argmax after its parent (`accept_tree`).
         Sampling rows: accept x_k with probability min(1, p_k(x_k) / q_k(x_k)); the bonus from norm(max(0, p - q))
         at the first rejection, else from the target's next distribution (`acceptance.py`).
         """
         width = logits.shape[1]
         tokens = drafts.tokens[:, : width - 1].to(self.device)
-        processed = process_logits(self.rows, logits, tokens)
         lengths = torch.tensor(drafts.lengths, device=self.device)
+        if drafts.is_tree:
+            return self._accept_tree(drafts, logits, tokens, lengths)
+        processed = process_logits(self.rows, logits, tokens)
         accepted, bonus = accept_greedy(tokens, processed.argmax(dim=-1), lengths)
         accepted, bonus = accepted.tolist(), bonus.tolist()
         for i, row in enumerate(self.rows):
@@ -264,27 +304,55 @@ class SpeculativeDecoder:
                 accepted[i], bonus[i] = accept_speculative_sampling(
                     target_probs, draft_probs, tokens[i, :n], row.generator
                 )
-        return accepted, bonus, processed
+        return accepted, bonus, processed, None
 
-    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features, hidden) -> None:
+    def _accept_tree(self, drafts: Drafts, logits, tokens, lengths):
+        """`_accept` for trees (greedy rows): each slot processed with its own path as prefix."""
+        width = logits.shape[1]
+        parents = drafts.parents[:, : width - 1].to(self.device)
+        paths = None
+        if any(row.processors is not None for row in self.rows):  # prefix-dependent processors: per-slot paths
+            paths = slot_paths(tokens.tolist(), parents.tolist(), width)
+        processed = process_logits(self.rows, logits, paths=paths)
+        on_path, depth, bonus = accept_tree(tokens, parents, processed.argmax(dim=-1), lengths, self.block_size)
+        path_slots = [[s for s, on in enumerate(row) if on] for row in on_path.tolist()]
+        return depth.tolist(), bonus.tolist(), processed, path_slots
+
+    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features, hidden, path_slots=None) -> None:
         """Append accepted drafts + bonus per row; the anchor and accepted drafts stay valid in the target cache,
-        rejected and padding slots become holes."""
+        rejected and padding slots become holes. A tree's accepted path is `path_slots[r]` (ascending slots, at
+        positions anchor + 0, 1, 2, ...), not a prefix of slots: its other nodes become holes."""
         width = processed.shape[1]
-        keep = torch.arange(width, device=self.device)[None] <= torch.tensor(accepted, device=self.device)[:, None]
-        self.target_cache.commit(keep)
+        if path_slots is None:
+            keep = torch.arange(width, device=self.device)[None] <= torch.tensor(accepted, device=self.device)[:, None]
+        else:
+            keep = torch.zeros(len(self.rows), width, dtype=torch.bool)
+            for i, slots in enumerate(path_slots):
+                keep[i, slots] = True
+        self.target_cache.commit(keep.to(self.device))
         tokens = drafts.tokens.tolist()
         survival = drafts.survival
+        depths = drafts.depths.tolist() if drafts.is_tree else None
         for i, row in enumerate(self.rows):
             n_acc = accepted[i]
-            new = tokens[i][:n_acc] + [bonus[i]]
+            if path_slots is None:
+                slots, new = slice(0, n_acc + 1), tokens[i][:n_acc] + [bonus[i]]
+                chosen_by = range(n_acc + 1)
+            else:  # node s - 1 sits at slot s
+                chosen_by = path_slots[i]
+                slots, new = torch.tensor(chosen_by, device=self.device), [tokens[i][s - 1] for s in chosen_by[1:]]
+                new.append(bonus[i])
             states = None
-            if row.keeps_hidden_states:  # slot j's states chose token j of the round
-                states = [_layers(hidden, i, j, j + 1) for j in range(n_acc + 1)]
-            taken = row.commit(new, processed[i, : n_acc + 1], logits[i, : n_acc + 1], states)
-            row.stats.record_step(drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i])
+            if row.keeps_hidden_states:  # slot j's states chose the token after it
+                states = [_layers(hidden, i, j, j + 1) for j in chosen_by]
+            taken = row.commit(new, processed[i, slots], logits[i, slots], states)
+            verified_depth = max(depths[i][: drafts.lengths[i]], default=0) if depths is not None else None
+            row.stats.record_step(
+                drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i], depth=verified_depth
+            )
             row.seq += new[:taken]
             if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor)
-                context = features[i, : n_acc + 1]
+                context = features[i, slots]
                 row.context = context if row.context is None else torch.cat([row.context, context])
             self.counts["request_rounds"] += 1
             self.counts["verified_drafts"] += drafts.lengths[i]

@@ -65,12 +65,22 @@ class Drafts:
     tokens (B, K): drafts (K = the most any row sampled; columns past a row's own are padding); logits (B, K, V):
     the processed draft logits they were drawn from (None when no row samples); lengths: ℓ_r to verify;
     conditional: c_{r,k}, the calibrated conditional acceptance of the positions row r examined.
+
+    A tree (`decoding/trees.py`) has its nodes as the columns, in join order: parents (B, K) the verify slot of each
+    node's parent (0: the anchor; node i sits at slot i + 1), depths (B, K) its draft position; `conditional` then
+    holds a_i / a_{i-1} of the nodes' path estimates a_i, and `lengths` counts nodes. A chain has neither.
     """
 
     tokens: torch.LongTensor
     logits: torch.Tensor | None
     lengths: list[int]
     conditional: list[list[float]]
+    parents: torch.LongTensor | None = None
+    depths: torch.LongTensor | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     @property
     def survival(self) -> list[list[float]]:
@@ -83,8 +93,11 @@ class Drafts:
         return cls(torch.zeros(n_rows, 0, dtype=torch.long, device=device), None, [0] * n_rows, [[]] * n_rows)
 
 
-def process_logits(rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0):
-    """Each row's logits processing on logits (B, S, V); slot s of row r follows seq_r + drafts[r, :first + s].
+def process_logits(
+    rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0, paths=None
+) -> torch.Tensor:
+    """Each row's logits processing on logits (B, S, V); slot s of row r follows seq_r + drafts[r, :first + s], or
+    seq_r + paths[r][s] (a tree's slots follow their own ancestors, `trees.slot_paths`).
 
     Rows with equal `sampling_key` share one warper pass; rows with `processors` are processed slot by slot with
     their own prefix, as transformers processes every position of a verify. Unprocessed rows pass through unchanged.
@@ -105,7 +118,12 @@ def process_logits(rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor |
     for i in own:
         prefix = torch.tensor([rows[i].processor_ids()], device=logits.device)  # (1, L)
         for s in range(logits.shape[1]):
-            ids = prefix if drafts is None else torch.cat([prefix, drafts[i : i + 1, : first + s].to(prefix)], dim=1)
+            if paths is not None:
+                ids = torch.cat([prefix, torch.tensor([paths[i][s]], dtype=prefix.dtype, device=prefix.device)], 1)
+            elif drafts is None:
+                ids = prefix
+            else:
+                ids = torch.cat([prefix, drafts[i : i + 1, : first + s].to(prefix)], dim=1)
             logits[i, s] = rows[i].processors(ids, logits[i, s][None])[0]
     return logits
 

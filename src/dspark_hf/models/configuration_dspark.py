@@ -356,6 +356,10 @@ class DSparkConfig(DrafterConfig):
             `draft_vocab_ids` buffer of the checkpoint, set with `DSparkDraftModel.set_draft_vocab`), so the LM head
             and the sequential head compute N columns. Verification stays exact: a token outside them is simply
             never drafted.
+        tree_budget (`int`): 0 drafts a chain (the block, one token per position); N > 0 drafts a token tree of at
+            most N nodes per row, grown best-first by estimated path acceptance and verified in one target forward
+            (greedy rows; see docs/trees.md). The verify policy then chooses how many of the tree's best nodes to
+            verify.
     """
 
     model_type = "dspark"
@@ -371,6 +375,7 @@ class DSparkConfig(DrafterConfig):
     confidence_threshold: float | int = 0.1
     draft_gate: bool = True
     draft_vocab_size: int = 0
+    tree_budget: int = 0
     draft_layer: str = "llama"
     attention_k_eq_v: bool = False
 
@@ -422,6 +427,11 @@ class DSparkConfig(DrafterConfig):
             raise ValueError(
                 f"`draft_vocab_size` must lie in [0, vocab_size={self.vocab_size}] (0: the whole vocabulary), "
                 f"got {self.draft_vocab_size}."
+            )
+        if isinstance(self.tree_budget, bool) or not isinstance(self.tree_budget, int) or self.tree_budget < 0:
+            raise ValueError(
+                f"`tree_budget` must be an int >= 0 (0: draft a chain; N > 0: a tree of at most N nodes per row), "
+                f"got {self.tree_budget!r}."
             )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
