@@ -168,6 +168,12 @@ class Engine:
         """
         prompt = prompt_token_ids(input_ids, self.vocab_size, self.tokenizer)
         check_sampling_settings(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
+        budget = getattr(getattr(self.drafter, "config", None), "tree_budget", 0)
+        if do_sample and budget:
+            raise ValueError(
+                f"drafter.config.tree_budget={budget} drafts trees for greedy requests only; send do_sample=False, "
+                "or set drafter.config.tree_budget = 0 (chains) for sampling."
+            )
         eos = self.target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if not all(isinstance(t, int) for t in eos):
