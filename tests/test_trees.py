@@ -1,4 +1,4 @@
-"""Draft trees (`drafter.config.tree_budget`): growth, the verify mask, acceptance, and lossless decoding with trees."""
+"""Draft trees (`drafter.config.tree_budget`): growth, the verify mask, acceptance, lossless decoding with trees."""
 
 import pytest
 import torch
@@ -230,7 +230,8 @@ def test_engine_with_trees(target):
     while engine.has_unfinished():
         engine.step()
     for request, prompt, n in zip(requests, prompts, budgets):
-        assert request.output_ids == greedy(target, torch.tensor([prompt]), max_new_tokens=n)[0, len(prompt) :].tolist()
+        plain = greedy(target, torch.tensor([prompt]), max_new_tokens=n)[0, len(prompt) :]
+        assert request.output_ids == plain.tolist()
     with pytest.raises(ValueError, match="tree_budget"):
         engine.add_request([1, 2], do_sample=True)
 
