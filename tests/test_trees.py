@@ -252,3 +252,22 @@ def test_sampling_and_sliding_windows_refuse_trees(target):
     sliding = make_target(config_cls=MistralConfig, model_cls=MistralForCausalLM, sliding_window=6)
     with pytest.raises(ValueError, match="sliding-window layers"):
         greedy(sliding, ids, max_new_tokens=5, assistant_model=tree_drafter(sliding, 8))
+
+
+def test_bench_runs_chain_and_trees_side_by_side(tmp_path, capsys):
+    from dspark_hf.cli import main
+    from dspark_hf.evaluation.harness import run_evaluation
+
+    target, tok = make_target(), char_tokenizer(99)
+    drafter = make_drafter(target, verify_policy="fixed")
+    records = [{"prompt": "Hello there"}, {"prompt": "abc"}]
+    result = run_evaluation(target, tok, {"d": drafter}, {"x": records}, 12, progress=False, tree_budgets=(0, 6))
+    assert [(r["drafter"], r["tree_budget"]) for r in result["runs"]] == [("d chain", 0), ("d tree 6", 6)]
+    assert result["all_identical"] and drafter.config.tree_budget == 0  # restored
+    chain, tree = result["runs"]
+    assert chain["mean_verify_length"] <= 4 < tree["mean_verify_length"] <= 6  # nodes verified per round
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--tree-budget", "0,-8"]) == 2
+    assert "--tree-budget" in capsys.readouterr().err
+    assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--tree-budget", "8", "--temperature", "1"]) == 2
+    assert "greedily" in capsys.readouterr().err

@@ -205,6 +205,11 @@ def cmd_bench(args) -> int:
     except ValueError:
         raise ValueError(f"--latency-lengths {args.latency_lengths!r} must look like 1-16,24.") from None
     _require(all(n >= 1 for n in lengths), f"--latency-lengths {args.latency_lengths!r}: lengths must be >= 1.")
+    budgets = _tree_budgets(args.tree_budget)
+    _require(
+        not any(budgets) or all(t == 0 for t in temperatures),
+        f"--tree-budget {args.tree_budget}: draft trees decode greedily; use --temperature 0.",
+    )
     if not files:
         raise ValueError(
             "dspark-hf bench needs prompts: --prompts FILE.jsonl (repeatable) or --datasets name=FILE.jsonl,... "
@@ -227,6 +232,7 @@ def cmd_bench(args) -> int:
         latency_lengths=lengths,
         latency_new_tokens=args.latency_new_tokens,
         padded_baseline=args.padded_baseline,
+        tree_budgets=budgets,
     )
     result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
     for name, path in files.items():
@@ -244,6 +250,21 @@ def cmd_bench(args) -> int:
     if written:
         print("wrote " + ", ".join(str(p) for p in written))
     return 1 if result["all_identical"] is False else 0
+
+
+def _tree_budgets(text: str | None) -> list[int]:
+    """`--tree-budget 0,8,16,32` -> [0, 8, 16, 32] (0: the chain); None -> []."""
+    if text is None:
+        return []
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        budgets = []
+    _require(
+        bool(budgets) and all(b >= 0 for b in budgets),
+        f"--tree-budget {text!r} must be comma-separated ints >= 0, e.g. 0,8,16,32 (0: the chain).",
+    )
+    return budgets
 
 
 def _model_name(args) -> str:
@@ -681,6 +702,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,1 (0 = greedy, checked lossless)")
     bench.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     bench.add_argument("--verify-policy", choices=["threshold", "fixed", "scheduler"], default=None)
+    bench.add_argument(
+        "--tree-budget",
+        help="comma-separated draft-tree budgets run side by side, e.g. 0,8,16,32 (0: the chain; greedy only)",
+    )
     bench.add_argument(
         "--latency-lengths", default="1,2,4,6,8,12,16", help="draft lengths for the latency sweep, e.g. 1-16 ('' off)"
     )
