@@ -271,3 +271,24 @@ def test_bench_runs_chain_and_trees_side_by_side(tmp_path, capsys):
     assert "--tree-budget" in capsys.readouterr().err
     assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--tree-budget", "8", "--temperature", "1"]) == 2
     assert "greedily" in capsys.readouterr().err
+
+
+def test_return_dict_hidden_states_and_pipeline_with_a_tree(target):
+    """Per new token the hidden states of the slot that chose it, also when the accepted path skips slots."""
+    from transformers import pipeline
+
+    ids = torch.randint(0, 99, (2, 6))
+    refs = greedy(target, ids, max_new_tokens=20)
+    kw = dict(max_new_tokens=9, return_dict_in_generate=True, output_hidden_states=True, output_logits=True)
+    ref = greedy(target, ids, **kw)
+    out = greedy(target, ids, assistant_model=runner_up_drafter(target, refs, 1, 8), **kw)
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.logits, out.logits):
+        assert torch.allclose(a, b, atol=1e-4)
+    for step, (a, b) in enumerate(zip(ref.hidden_states, out.hidden_states)):
+        for layer_a, layer_b in zip(a, b):
+            assert layer_a.shape == layer_b.shape and torch.allclose(layer_a, layer_b, atol=1e-4), step
+    pipe = pipeline("text-generation", model=target, tokenizer=char_tokenizer(99))
+    assert pipe("Hello trees", max_new_tokens=12, do_sample=False) == pipe(
+        "Hello trees", max_new_tokens=12, do_sample=False, assistant_model=tree_drafter(target, 6)
+    )
