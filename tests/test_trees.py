@@ -244,13 +244,10 @@ def test_tree_budget_is_validated():
         DSparkConfig(tree_budget=-1)
 
 
-def test_sampling_and_sliding_windows_refuse_trees(target):
-    drafter = tree_drafter(target, 8)
+def test_sliding_windows_refuse_trees(target):
     ids = torch.randint(0, 99, (1, 5))
-    with pytest.raises(ValueError, match="tree_budget=8 drafts trees for greedy"):
-        target.generate(ids, do_sample=True, max_new_tokens=5, assistant_model=drafter)
     sliding = make_target(config_cls=MistralConfig, model_cls=MistralForCausalLM, sliding_window=6)
-    with pytest.raises(ValueError, match="sliding-window layers"):
+    with pytest.raises(ValueError, match="tree_budget=8, but MistralForCausalLM has sliding-window layers"):
         greedy(sliding, ids, max_new_tokens=5, assistant_model=tree_drafter(sliding, 8))
 
 
@@ -292,3 +289,75 @@ def test_return_dict_hidden_states_and_pipeline_with_a_tree(target):
     assert pipe("Hello trees", max_new_tokens=12, do_sample=False) == pipe(
         "Hello trees", max_new_tokens=12, do_sample=False, assistant_model=tree_drafter(target, 6)
     )
+
+
+# -- sampling: the seeded coupling makes the tree walk exact -------------------------------------------------------
+
+
+def _tree_sampling_models(budget=6):
+    from test_sampling import setup_models
+
+    target, drafter = setup_models()
+    drafter.config.tree_budget, drafter.config.verify_policy = budget, "fixed"  # every node verified
+    return target, drafter
+
+
+@pytest.mark.parametrize("policy", ["fixed", "scheduler"])
+def test_seeded_sampling_with_a_tree_is_plain_seeded_sampling(policy):
+    """A sampling row's tokens are the seeded sampler's own: the same with a tree, a chain or no drafter, in generate()
+    and the Engine (each committed token is the target's Gumbel-max choice at its position, whichever node carried
+    it)."""
+    from test_sampling import seeded_generate
+
+    target, drafter = _tree_sampling_models()
+    prompts = [[1, 2, 3, 0, 1], [3, 1], [2, 2, 0, 1, 3, 1, 0]]
+    batch = seeded_generate(target, drafter, prompts, 5, verify_policy=policy, temperature=0.8)
+    assert policy != "fixed" or max(drafter.generation_stats.verify_lengths) > 3  # more nodes than positions
+    drafter.config.tree_budget = 0
+    assert batch == seeded_generate(target, drafter, prompts, 5, verify_policy=policy, temperature=0.8)
+    torch.manual_seed(5)
+    seeds = torch.randint(0, 2**63 - 1, (3,)).tolist()  # what generate() drew, one per row
+    plain = [Engine(target).generate([p], max_new_tokens=12, do_sample=True, temperature=0.8, seed=s)[0]
+             for p, s in zip(prompts, seeds)]  # fmt: skip
+    assert batch == plain
+    drafter.config.tree_budget = 6
+    engine = Engine(target, drafter, verify_policy="fixed")
+    outputs = [engine.generate([p], max_new_tokens=12, do_sample=True, temperature=0.8, seed=7)[0] for p in prompts]
+    assert outputs == [Engine(target).generate([p], max_new_tokens=12, do_sample=True, temperature=0.8, seed=7)[0]
+                       for p in prompts]  # fmt: skip
+
+
+def _tree_chi_square(n=1500):
+    from test_sampling import chi_square_rejects, draw, exact_joint, warpers
+
+    target, drafter = _tree_sampling_models()
+    probs = exact_joint(target, warpers())
+    torch.manual_seed(1234)
+    samples = draw(target, drafter, n, rows=50, top_k=0, top_p=1.0)
+    stats = drafter.generation_stats
+    return chi_square_rejects(samples, probs), stats
+
+
+def test_sampling_with_a_tree_matches_target_distribution():
+    """x1 comes from the prefill; x2 and x3 are decided inside the first round's tree (block 3, 6 nodes over a
+    4-token vocabulary: several children per node), and their joint law must be the target's."""
+    (rejects, stat, critical), stats = _tree_chi_square()
+    assert max(stats.verify_lengths) == 6 and max(stats.accepted_lengths) >= 2
+    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: sampling with a tree differs from the target's"
+
+
+def test_negative_control_a_node_taken_without_the_targets_choice_is_detected(monkeypatch):
+    """The walk must move only to the child equal to the target's choice: taking the first node after the anchor
+    whatever the target chose (x2 then follows the drafter) must make the chi-square test fail. (Subtler tree bugs,
+    a node seeing its siblings or drawing with its slot's noise, do not move the first tokens' law enough on a tiny
+    random target to be seen here; the greedy identity tests above catch the first.)"""
+    from dspark_hf.decoding import core
+
+    def first_node_taken(tokens, parents, choices, lengths, max_depth):
+        choices = choices.clone()
+        choices[:, 0] = torch.where(lengths > 0, tokens[:, 0], choices[:, 0])
+        return accept_tree(tokens, parents, choices, lengths, max_depth)
+
+    monkeypatch.setattr(core, "accept_tree", first_node_taken)
+    (rejects, stat, critical), _ = _tree_chi_square()
+    assert rejects, f"the test failed to notice nodes taken without the target's choice (chi2 {stat:.1f})"

@@ -11,14 +11,17 @@ every row:
   choose   the policy picks ℓ_r drafts per row (fixed / threshold / Algorithm 1), from survivals only
   verify   one target forward on (B, W = max ℓ_r + 1) tokens, [anchor, drafts] per row, over the ragged cache, with
            the CPU verify kernels scoped to this one forward where they pay (`verify_head.KernelChoice`)
-  accept   each slot's target logits processed with that slot's own prefix; greedy: the longest matching prefix
-           and the target's token after it; sampling: exact rejection sampling against the draft distribution
+  accept   each slot's target logits processed with that slot's own prefix; the target's choice at each slot
+           (argmax, or for a sampling row the Gumbel-max draw keyed by its seed and the slot's position); the longest
+           prefix of drafts equal to the choices, and the choice after it
   commit   accepted drafts + the bonus token go to each row (which clips at its stop); rejected and padding slots
            stay in the cache as masked holes, trimmed or compacted between rounds
 
-Every row's output is what the target alone produces for it: token-identical under greedy decoding, identically
-distributed under sampling, whatever else is in the batch. Host syncs per round are few and do not grow with the
-block or batch size when sampling runs to the end of the block (see docs/architecture.md).
+Every row's output is what the target alone produces for it: token-identical under greedy decoding; under sampling
+the very tokens plain decoding with the same seed produces (`acceptance.py`), so exactly the target's distribution,
+whatever else is in the batch, whatever the policy drafted and whenever the gate skipped drafting. Host syncs per
+round are few and do not grow with the block or batch size when sampling runs to the end of the block (see
+docs/architecture.md).
 """
 
 import inspect
@@ -28,7 +31,7 @@ from contextlib import nullcontext
 import torch
 
 from ..kernels.verify_head import eligible_linears, kernel_choice
-from .acceptance import accept_greedy, accept_speculative_sampling, accept_tree
+from .acceptance import accept_greedy, accept_tree
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
@@ -116,7 +119,7 @@ class SpeculativeDecoder:
         """
         if not rows:
             return []
-        self._check_tree(rows)
+        self._check_tree()
         lengths = [len(row.seq) for row in rows]
         width = max(lengths)
         ids = torch.tensor([row.seq + [0] * (width - len(row.seq)) for row in rows], device=self.device)
@@ -135,8 +138,11 @@ class SpeculativeDecoder:
         self.counts["prefills"] += 1
         column = torch.searchsorted(kept, last) if self.keeps_logits else last
         logits = out.logits.to(self.device)[torch.arange(len(rows), device=self.device), column].float()  # (n, V)
-        processed = process_logits(rows, logits[:, None])[:, 0]
-        tokens = choose_tokens(rows, processed).tolist()
+        for row in rows:
+            row.noise_device = self.device  # a row's noise is made on one device type, whoever asks for it first
+        processed = process_logits(rows, logits[:, None])
+        tokens = choose_tokens(rows, processed)[:, 0].tolist()
+        processed = processed[:, 0]
         features = self._features(out) if self.taps else None  # (n, P, m·d)
         for i, (row, token) in enumerate(zip(rows, tokens)):
             row.context = features[i, : lengths[i]] if features is not None else None  # every prompt position
@@ -195,8 +201,8 @@ class SpeculativeDecoder:
         """The drafter's `config.tree_budget` (0: chains), read each round."""
         return getattr(self.candidates, "tree_budget", 0) if self.candidates is not None else 0
 
-    def _check_tree(self, rows: list[Row]) -> None:
-        """Trees need every layer to see exactly the mask given and greedy rows; refuse anything else by name."""
+    def _check_tree(self) -> None:
+        """Trees need every layer to see exactly the mask given: refuse sliding-window targets by name."""
         budget = self.tree_budget
         if not budget:
             return
@@ -204,11 +210,6 @@ class SpeculativeDecoder:
             raise ValueError(
                 f"drafter.config.tree_budget={budget}, but {type(self.target).__name__} has sliding-window layers, "
                 "which cannot take a tree's attention mask. Set drafter.config.tree_budget = 0 (chains)."
-            )
-        if any(row.do_sample for row in rows):
-            raise ValueError(
-                f"drafter.config.tree_budget={budget} drafts trees for greedy decoding only; for sampling set "
-                "drafter.config.tree_budget = 0 (chains), or decode greedily (do_sample=False / temperature 0)."
             )
 
     def _caps(self) -> list[int]:
@@ -234,7 +235,7 @@ class SpeculativeDecoder:
         gate = self.policy.gate
         start = time.perf_counter()
         caps = self._caps()
-        self._check_tree(self.rows)
+        self._check_tree()
         drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
         # a chain's caps bound its positions, a tree's its depth: the policy then chooses among its nodes
         limits = drafts.lengths if drafts.is_tree else caps
@@ -283,10 +284,10 @@ class SpeculativeDecoder:
         """Accepted draft count and bonus token per row, the processed target logits (B, W, V) and, for trees, the
         slots of each row's accepted path (the anchor's included; None for chains).
 
-        Greedy rows: the longest prefix of drafts equal to the processed target argmax, then the argmax after it;
-        a tree: the deepest path whose every node is the processed argmax after its parent (`accept_tree`).
-        Sampling rows: accept x_k with probability min(1, p_k(x_k) / q_k(x_k)); the bonus from norm(max(0, p - q))
-        at the first rejection, else from the target's next distribution (`acceptance.py`).
+        choose: the target's token at every slot a row verifies, from that slot's processed logits: the argmax, or
+        for a sampling row argmax(logits + g_{seed, position}) (`choose_tokens`). accept: the longest prefix of drafts
+        equal to those choices; the bonus is the choice after it; a tree: the walk from the anchor along the choices
+        (`accept_tree`). One rule for greedy and sampling rows (`acceptance.py`).
         """
         width = logits.shape[1]
         tokens = drafts.tokens[:, : width - 1].to(self.device)
@@ -294,27 +295,24 @@ class SpeculativeDecoder:
         if drafts.is_tree:
             return self._accept_tree(drafts, logits, tokens, lengths)
         processed = process_logits(self.rows, logits, tokens)
-        accepted, bonus = accept_greedy(tokens, processed.argmax(dim=-1), lengths)
-        accepted, bonus = accepted.tolist(), bonus.tolist()
-        for i, row in enumerate(self.rows):
-            if row.do_sample:
-                n = drafts.lengths[i]
-                target_probs = torch.softmax(processed[i, : n + 1], dim=-1)  # (n + 1, V)
-                draft_probs = torch.softmax(drafts.logits[i, :n].to(self.device), dim=-1) if n else processed[i, :0]
-                accepted[i], bonus[i] = accept_speculative_sampling(
-                    target_probs, draft_probs, tokens[i, :n], row.generator
-                )
-        return accepted, bonus, processed, None
+        choices = choose_tokens(self.rows, processed, counts=[n + 1 for n in drafts.lengths])  # (B, W)
+        accepted, bonus = accept_greedy(tokens, choices, lengths)
+        return accepted.tolist(), bonus.tolist(), processed, None
 
     def _accept_tree(self, drafts: Drafts, logits, tokens, lengths):
-        """`_accept` for trees (greedy rows): each slot processed with its own path as prefix."""
+        """`_accept` for trees: each slot processed with its own path as prefix, and chosen at its own position
+        (anchor + 1 + its depth: a sampling row's noise is shared by the nodes of one depth)."""
         width = logits.shape[1]
         parents = drafts.parents[:, : width - 1].to(self.device)
         paths = None
         if any(row.processors is not None for row in self.rows):  # prefix-dependent processors: per-slot paths
             paths = slot_paths(tokens.tolist(), parents.tolist(), width)
         processed = process_logits(self.rows, logits, paths=paths)
-        on_path, depth, bonus = accept_tree(tokens, parents, processed.argmax(dim=-1), lengths, self.block_size)
+        offsets = None
+        if any(row.do_sample for row in self.rows):
+            offsets = [[0] + d for d in drafts.depths[:, : width - 1].tolist()]  # slot s predicts depth(s) + 1
+        choices = choose_tokens(self.rows, processed, counts=[n + 1 for n in drafts.lengths], offsets=offsets)
+        on_path, depth, bonus = accept_tree(tokens, parents, choices, lengths, self.block_size)
         path_slots = [[s for s, on in enumerate(row) if on] for row in on_path.tolist()]
         return depth.tolist(), bonus.tolist(), processed, path_slots
 

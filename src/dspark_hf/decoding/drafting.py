@@ -2,7 +2,8 @@
 
 A candidate generator proposes drafts for every row of the batch at once and keeps the drafter's own state between
 rounds. `propose(rows, caps, policy)` returns a `core.Drafts`: the draft tokens, the processed draft logits they were
-drawn from (what rejection sampling compares against) and, where the drafter has a confidence head, the calibrated
+chosen from (argmax, or for a sampling row argmax(logits + g) with the noise g its target choice at that position
+uses, `randomness.py`) and, where the drafter has a confidence head, the calibrated
 conditional acceptance of each position examined. The policy then chooses how many to verify.
 
 - `DSparkCandidateGenerator` (DSpark, DFlash mode included): each row appends the target features it committed
@@ -133,10 +134,11 @@ class DSparkCandidateGenerator(_Generator):
         """Token-by-token sampling through the sequential head for all rows at once (DSpark §3.5).
 
         hidden (B, γ, d). For k = 1..K: the confidence c_k from [h_k; x_{k-1}] (before x_k exists), then x_k from
-        processors(U_k + B_k(x_{k-1})): argmax, or a draw. Row r examines `caps[r]` positions. With `early`, a policy
-        that can stop early stops before sampling position k once the survivals seen (c_k included) settle every
-        row's verify length short of it: under load Algorithm 1 often verifies 0-1 drafts per row, and the rest of
-        the block would be sampled for nothing (this reads each position's confidences back: one host sync each).
+        processors(U_k + B_k(x_{k-1})): argmax, or the row's Gumbel-max draw at x_k's position. Row r examines
+        `caps[r]` positions. With `early`, a policy that can stop early stops before sampling position k once the
+        survivals seen (c_k included) settle every row's verify length short of it: under load Algorithm 1 often
+        verifies 0-1 drafts per row, and the rest of the block would be sampled for nothing (this reads each
+        position's confidences back: one host sync each).
         """
         steps = max(caps)
         prev = torch.tensor([[row.seq[-1]] for row in rows], device=hidden.device)  # (B, 1): the anchors
@@ -167,7 +169,8 @@ class DSparkCandidateGenerator(_Generator):
             logits = process_logits(rows, logits[:, None], tokens, first=k)[:, 0]
             logits = self._draft_vocab_fallback(logits, rows, h_k, prev, state, tokens, k)
             state = next_state
-            tokens[:, k] = choose_tokens(rows, logits, live=[k < cap for cap in caps])
+            # a sampling row's draft at position t uses the noise its target choice at t will use (the coupling)
+            tokens[:, k] = choose_tokens(rows, logits[:, None], first=k, counts=[int(k < cap) for cap in caps])[:, 0]
             if logits_out is not None:
                 logits_out[:, k] = logits
             prev = tokens[:, k : k + 1]
@@ -176,11 +179,14 @@ class DSparkCandidateGenerator(_Generator):
         return Drafts(tokens.to(self.target_device), logits_out, list(caps), conditional)
 
     def _tree(self, hidden: torch.Tensor, rows, caps: list[int], budget: int) -> Drafts:
-        """A best-first tree per row (`trees.grow_trees`), greedy rows only: at most `budget` nodes, depth <= caps[r].
+        """A best-first tree per row (`trees.grow_trees`): at most `budget` nodes, depth <= caps[r].
 
         hidden (B, γ, d). U_k is computed once per depth for every row; a node at depth k - 1 (the anchor: 0) gets as
-        children the top candidates of processors(U_k + B_k(its token)), its path's tokens as their prefix, each
-        scored by its draft probability. The nodes' path estimates take the place of survivals for the policy.
+        children the top candidates of l = processors(U_k + B_k(its token)), its path's tokens as their prefix, each
+        scored by its draft probability softmax(l). A sampling row ranks them by l + g, with g the Gumbel noise its
+        target choice at that position uses (`randomness.py`), so its first child is the coupled draft: the tree
+        then holds the chain it would have drafted, and more. The nodes' path estimates take the place of
+        survivals for the policy.
         """
         depth = max(caps)
         if depth == 0:
@@ -199,8 +205,15 @@ class DSparkCandidateGenerator(_Generator):
             bias, next_state = self.drafter.draft_sequential_bias(prev, hidden[index, level][:, None], state)
             logits = base[index, level] if bias is None else base[index, level] + bias[:, 0]  # (n, V)
             paths = [[tree.path(node)] for _, tree, node in entries]
-            logits = process_logits([rows[r] for r, _, _ in entries], logits[:, None], paths=paths)[:, 0]
-            top = torch.topk(logits, min(budget, logits.shape[-1]), dim=-1)
+            entry_rows = [rows[r] for r, _, _ in entries]
+            logits = process_logits(entry_rows, logits[:, None], paths=paths)[:, 0]
+            ranked = logits
+            if any(row.do_sample for row in entry_rows):  # the children of a node at depth d: position len(seq) + d
+                ranked = logits.clone()
+                for i, (row, d) in enumerate(zip(entry_rows, level.tolist())):
+                    if row.do_sample:
+                        ranked[i] += row.noise([len(row.seq) + d], logits.shape[-1], logits.device)[0]
+            top = torch.topk(ranked, min(budget, logits.shape[-1]), dim=-1)
             probs = torch.softmax(logits, dim=-1).gather(1, top.indices)  # (n, k)
             finite = torch.isfinite(top.values)  # a token the processors ruled out is never a child
             out = []
@@ -273,6 +286,9 @@ class Eagle3CandidateGenerator(_Generator):
             def processors(ids, scores, row=row, length=length):
                 return process_logits([row], scores[:, None], ids[:, length:], first=ids.shape[1] - length)[:, 0]
 
+            def choose(ids, scores, row=row, length=length):  # argmax, or the row's Gumbel-max draw at this position
+                return choose_tokens([row], scores[:, None], first=ids.shape[1] - length)[:, 0]
+
             drafted.append(
                 self.drafter.draft(
                     seq,
@@ -282,7 +298,7 @@ class Eagle3CandidateGenerator(_Generator):
                     self.lm_head,
                     cap,
                     logits_processor=processors,
-                    do_sample=row.do_sample,
+                    choose=choose,
                 )  # fmt: skip
             )
             row.context = None

@@ -57,8 +57,8 @@ class _GenerateRow(Row):
     checked on the token list; any other criterion (stop strings, user criteria) is asked token by token.
     """
 
-    def __init__(self, padding, prompt, *, processors, others, eos, max_length, do_sample, keep, streamer, block_size):
-        super().__init__(prompt, do_sample=do_sample, block_size=block_size)
+    def __init__(self, padding, prompt, *, processors, others, eos, max_length, seed, keep, streamer, block_size):
+        super().__init__(prompt, do_sample=seed is not None, seed=seed, block_size=block_size)
         self.padding, self.others, self.eos, self.max_length = padding, others, eos, max_length
         self.processors = processors
         self.limit: int | None = None  # set when the batch's length is known and this row must reach it
@@ -203,6 +203,8 @@ def speculative_generate(
     `return_dict_in_generate` (`scores` / `logits` per new token: the target's processed / raw logits;
     `hidden_states`: every layer's, of the forward that chose the token; rows that have finished get zeros;
     `output_attentions` is refused: verifies attend over a cache with holes, not plain decoding's).
+    Sampling draws one seed per row from torch's global RNG (`torch.manual_seed` before the call reproduces it); a
+    row's tokens then depend only on its seed and prompt, not on the policy, the batch or the machine's load.
     `token_streamer`: a streamer for batch 1; `target_tokenizer` checks the pairing;
     `verify_policy` overrides the drafter's. The drafter's `generation_stats` holds the call's statistics.
     """
@@ -224,6 +226,11 @@ def speculative_generate(
     ]
     if token_streamer is not None:
         token_streamer.put(input_ids.cpu())
+    prompts = _prompts(input_ids, model_kwargs.get("attention_mask"))
+    # sampling: one seed per row from torch's global RNG, so `torch.manual_seed(n)` before generate() reproduces
+    seeds = [None] * len(prompts)
+    if generation_config.do_sample:
+        seeds = torch.randint(0, 2**63 - 1, (len(prompts),)).tolist()
     rows = [
         _GenerateRow(
             padding,
@@ -232,12 +239,12 @@ def speculative_generate(
             others=others,
             eos=eos,
             max_length=max_length,
-            do_sample=bool(generation_config.do_sample),
+            seed=seed,
             keep=keep,
             streamer=token_streamer,
             block_size=drafter.config.block_size,
         )  # fmt: skip
-        for padding, prompt in _prompts(input_ids, model_kwargs.get("attention_mask"))
+        for (padding, prompt), seed in zip(prompts, seeds)
     ]
     policy = VerifyPolicy.for_drafter(drafter, model, verify_policy, max_rows=len(rows))
     decoder = SpeculativeDecoder(model, drafter, policy=policy)

@@ -4,11 +4,12 @@ Requests join and leave between rounds; each round is the one round of `core.Spe
 lengths → verify → accept → commit) for every active request. The Engine is its driver: a thread-safe request queue,
 admission (prefill) while the batch has room, retirement of finished and aborted requests, a background loop for
 servers, and counters. Each request's output is its own plain output whatever else is in the batch:
-token-identical under greedy decoding, identically distributed under sampling (per-request `torch.Generator`,
-seeded by `seed`).
+token-identical under greedy decoding; under sampling the very tokens its seed gives in plain decoding (noise keyed
+by the request's seed and each token's position, `decoding/randomness.py`).
 """
 
 import itertools
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -31,7 +32,7 @@ class _RequestRow(Row):
     """A `Request` as a row of the decoder: its sampling settings, budget and output stream."""
 
     def __init__(self, request: Request, counts: dict):
-        super().__init__(request.prompt_ids, do_sample=request.do_sample, generator=request.generator)
+        super().__init__(request.prompt_ids, do_sample=request.do_sample, seed=request.seed)
         self.request, self._counts = request, counts
         self.stats = request.stats
         self.sampling_key, self.warpers = request.sampling_key, request.warpers
@@ -161,19 +162,13 @@ class Engine:
     ) -> Request:
         """Queue a request (thread-safe). `input_ids`: list[int] or 1-D LongTensor (a string with a tokenizer).
 
-        `eos_token_id` None takes the target's `generation_config.eos_token_id`; `seed` seeds the request's own
-        generator (None: drawn from torch's global RNG). Under the fixed and threshold policies a seeded request's
-        output does not depend on what else is in the batch (Algorithm 1 lets the batch change ℓ_r, and with it
-        the random stream; the distribution stays exact either way). Returns the `Request` to stream or wait on.
+        `eos_token_id` None takes the target's `generation_config.eos_token_id`. `seed` keys a sampled request's
+        noise at each position (`decoding/randomness.py`), so one seed gives one output under every policy, batch
+        and load, with or without a drafter (None: a fresh random seed, kept in `request.seed`). Returns the
+        `Request` to stream or wait on.
         """
         prompt = prompt_token_ids(input_ids, self.vocab_size, self.tokenizer)
         check_sampling_settings(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
-        budget = getattr(getattr(self.drafter, "config", None), "tree_budget", 0)
-        if do_sample and budget:
-            raise ValueError(
-                f"drafter.config.tree_budget={budget} drafts trees for greedy requests only; send do_sample=False, "
-                "or set drafter.config.tree_budget = 0 (chains) for sampling."
-            )
         eos = self.target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if not all(isinstance(t, int) for t in eos):
@@ -186,9 +181,8 @@ class Engine:
                 request_id, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                 top_p=top_p, top_k=top_k, eos_token_ids=frozenset(eos), seed=seed, block_size=self.block_size,
             )  # fmt: skip
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, ()).item())
-            request.generator = torch.Generator(device=self.device).manual_seed(seed)
+            if request.seed is None:  # recorded on the request: passing it again reproduces the output
+                request.seed = secrets.randbits(63)
             self._requests[request_id] = request
             self._waiting.append(request)
             self._wakeup.notify_all()

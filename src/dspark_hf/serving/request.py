@@ -43,7 +43,6 @@ class Request:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.eos_token_ids, self.seed = eos_token_ids, seed
         self.stats = DSparkGenerationStats(block_size=block_size, num_prompt_tokens=len(prompt_ids))
-        self.generator: torch.Generator | None = None  # set by the engine on the target's device
         self._warpers = self._build_warpers()
         self._chunks: queue.Queue = queue.Queue()
         self._done = threading.Event()
