@@ -94,7 +94,7 @@ class DSparkCandidateGenerator(_Generator):
         """Drafts for every row: `core.Drafts` with tokens (B, K), logits (B, K, V) and conditional confidences;
         with `config.tree_budget` a tree per row (`decoding/trees.py`), caps[r] bounding its depth."""
         if self.tree_budget:
-            return self._tree(self._block(rows), rows, caps, self.tree_budget)
+            return self._tree(self._block(rows), rows, caps, self.tree_budget, policy if early else None)
         return self._sample(self._block(rows), rows, caps, policy, early)
 
     def _block(self, rows) -> torch.Tensor:
@@ -178,7 +178,7 @@ class DSparkCandidateGenerator(_Generator):
         conditional = [c[:cap] for c, cap in zip(_by_row(seen, len(rows)), caps)]
         return Drafts(tokens.to(self.target_device), logits_out, list(caps), conditional)
 
-    def _tree(self, hidden: torch.Tensor, rows, caps: list[int], budget: int) -> Drafts:
+    def _tree(self, hidden: torch.Tensor, rows, caps: list[int], budget: int, policy=None) -> Drafts:
         """A best-first tree per row (`trees.grow_trees`): at most `budget` nodes, depth <= caps[r].
 
         hidden (B, γ, d). U_k is computed once per depth for every row; a node at depth k - 1 (the anchor: 0) gets as
@@ -186,7 +186,9 @@ class DSparkCandidateGenerator(_Generator):
         scored by its draft probability softmax(l). A sampling row ranks them by l + g, with g the Gumbel noise its
         target choice at that position uses (`randomness.py`), so its first child is the coupled draft: the tree
         then holds the chain it would have drafted, and more. The nodes' path estimates take the place of
-        survivals for the policy.
+        survivals for the policy. With a `policy` that can stop early (the CPU default), growth stops once the
+        nodes grown decide how many it verifies: nodes join in non-increasing order of estimate, so the last one's
+        bounds every later one, as a chain's last survival does (`VerifyPolicy.settled`).
         """
         depth = max(caps)
         if depth == 0:
@@ -223,7 +225,14 @@ class DSparkCandidateGenerator(_Generator):
                 out.append(([t for t, _ in kept], [q for _, q in kept], child_state))
             return out
 
-        trees = grow_trees(expand, len(rows), caps, budget)
+        def settled(trees, open_rows):
+            conditional = [conditional_confidences(tree.scores) for tree in trees]
+            limits = [budget if grows else len(tree.tokens) for tree, grows in zip(trees, open_rows)]
+            width = policy.settled_width(conditional, limits)
+            return width is not None and all(len(t.tokens) >= min(width, n) for t, n in zip(trees, limits))
+
+        early = policy is not None and policy.stops_early
+        trees = grow_trees(expand, len(rows), caps, budget, settled if early else None)
         tokens, parents, depths = pack_trees(trees, self.target_device)
         conditional = [conditional_confidences(tree.scores) for tree in trees]
         return Drafts(tokens, None, [len(t.tokens) for t in trees], conditional, parents=parents, depths=depths)

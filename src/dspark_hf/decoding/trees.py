@@ -52,13 +52,14 @@ class Tree:
         return 0 if node < 0 else self.depths[node]
 
 
-def grow_trees(expand, n_rows: int, caps: list[int], budget: int) -> list[Tree]:
+def grow_trees(expand, n_rows: int, caps: list[int], budget: int, settled=None) -> list[Tree]:
     """Best-first trees for `n_rows` rows, at most `budget` nodes each and depth <= caps[r].
 
     `expand(entries)` proposes children for a batch of (row, tree, node) entries (node -1: the anchor) and returns,
     per entry, (tokens, probabilities, state): its candidate children, best first, and the sequential head's state
     they share. Each round every row takes its best candidate, and the new nodes that may still have children are
-    expanded together: `budget` rounds of one batched expansion each.
+    expanded together: `budget` rounds of one batched expansion each. `settled(trees, open_rows)` may end the growth
+    early (the policy's choice among the nodes is already decided; open_rows[r]: row r can still grow).
     """
     trees = [Tree() for _ in range(n_rows)]
     heaps: list[list] = [[] for _ in range(n_rows)]
@@ -84,6 +85,8 @@ def grow_trees(expand, n_rows: int, caps: list[int], budget: int) -> list[Tree]:
         if grown:
             push(grown)
         elif not any(heaps):
+            break
+        if settled is not None and settled(trees, [bool(h) and len(t.tokens) < budget for h, t in zip(heaps, trees)]):
             break
     return trees
 
