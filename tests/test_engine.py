@@ -343,6 +343,40 @@ def test_stream_chunks_concatenate_to_output(target):
     assert not engine.is_running
 
 
+def test_a_request_added_after_stop_is_served_by_wait_and_stream(target):
+    """stop() leaves a restartable engine: a request added afterwards is served by wait() / stream() in the caller's
+    thread (they never block on a round nobody runs), and by the loop once it starts again."""
+    prompts = random_prompts([4, 7, 2])
+    engine = make_engine(target, "fixed")
+    engine.start()
+    assert engine.add_request(prompts[0], max_new_tokens=9).wait(timeout=60) == plain_output(target, prompts[0], 9)
+    engine.stop()
+    late = engine.add_request(prompts[1], max_new_tokens=11)
+    assert late.wait(timeout=60) == plain_output(target, prompts[1], 11) and not engine.is_running
+    streamed = engine.add_request(prompts[2], max_new_tokens=13)
+    assert sum(streamed.stream(timeout=60), []) == plain_output(target, prompts[2], 13)
+    engine.start()  # and the loop serves requests again
+    try:
+        assert engine.add_request(prompts[0], max_new_tokens=5).wait(timeout=60) == plain_output(target, prompts[0], 5)
+    finally:
+        engine.stop()
+
+
+def test_wait_on_an_engine_never_started_runs_its_rounds(target):
+    engine = make_engine(target, "threshold", max_batch_size=2)
+    prompts = random_prompts([3, 6, 5])
+    requests = [engine.add_request(p, max_new_tokens=8) for p in prompts]
+    assert [r.wait(timeout=60) for r in requests] == [plain_output(target, p, 8) for p in prompts]
+    assert not engine.has_unfinished()
+
+
+def test_empty_prompts_are_refused(target):
+    engine = make_engine(target, "fixed")
+    for empty in ([], torch.zeros(0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long), torch.tensor([[]])):
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request(empty)
+
+
 def test_abort_running_and_queued_requests(target):
     prompts = random_prompts([4, 7, 2])
     engine = make_engine(target, "fixed", max_batch_size=2)

@@ -266,8 +266,6 @@ def test_bench_runs_chain_and_trees_side_by_side(tmp_path, capsys):
     (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
     assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--tree-budget", "0,-8"]) == 2
     assert "--tree-budget" in capsys.readouterr().err
-    assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--tree-budget", "8", "--temperature", "1"]) == 2
-    assert "greedily" in capsys.readouterr().err
 
 
 def test_return_dict_hidden_states_and_pipeline_with_a_tree(target):

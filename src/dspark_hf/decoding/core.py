@@ -31,6 +31,7 @@ from contextlib import nullcontext
 import torch
 
 from ..kernels.verify_head import eligible_linears, kernel_choice
+from ..kernels.weights import model_device, per_token_activations, per_token_linears
 from .acceptance import accept_greedy, accept_tree
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
@@ -68,7 +69,7 @@ class SpeculativeDecoder:
         if not 0.0 < compact_fraction <= 1.0:
             raise ValueError(f"`compact_fraction` must lie in (0, 1], got {compact_fraction}.")
         self.target, self.compact_fraction = target, compact_fraction
-        self.device = next(target.parameters()).device
+        self.device = model_device(target)
         text_config = target.config.get_text_config()
         self.sliding = getattr(text_config, "sliding_window", None) is not None or "sliding_attention" in (
             getattr(text_config, "layer_types", None) or []
@@ -86,6 +87,8 @@ class SpeculativeDecoder:
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
         self._linears = eligible_linears(target)  # kept here (never on the target) for `verify_kernels`
+        # a dynamically quantized target's linears verify token by token, as its one-token steps run (weights.py)
+        self._per_token = per_token_linears(target)
         # the CPU verify kernels, where this machine's verifies measured faster with them (never on an accelerator)
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
         self.target_cache = RaggedCache(self.device)
@@ -115,11 +118,14 @@ class SpeculativeDecoder:
         """Run new prompts through the target in one forward (right-padded; pads are holes), commit each row's first
         token and add the unfinished rows to the batch. Returns the rows that finished on their first token.
 
-        A single prompt runs exactly as plain `generate()` runs it (no mask, logits of the last position only).
+        A single prompt runs exactly as plain `generate()` runs it (no mask, logits of the last position only); a
+        dynamically quantized target (`weights.per_token_linears`) prefills its prompts one by one for that reason.
         """
         if not rows:
             return []
         self._check_tree()
+        if self._per_token and len(rows) > 1:  # one activation scale per call: each prompt alone, as plain decoding
+            return [done for row in rows for done in self.prefill([row])]
         lengths = [len(row.seq) for row in rows]
         width = max(lengths)
         ids = torch.tensor([row.seq + [0] * (width - len(row.seq)) for row in rows], device=self.device)
@@ -190,10 +196,12 @@ class SpeculativeDecoder:
         drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
         record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
         logits, features, hidden = self._verify(drafts)
+        if record is not None:
+            record.verify_seconds = _clock(self.device) - record.start - record.seconds
         accepted, bonus, processed, path_slots = self._accept(drafts, logits)
         self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
         if record is not None:
-            record.accepted = sum(accepted)
+            record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)
 
     @property
@@ -271,7 +279,10 @@ class SpeculativeDecoder:
         else:
             position_ids = anchor_positions + slots
             mask = self.target_cache.attention_mask(new_valid).long()  # (B, T + W)
-        with self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext():
+        with (
+            self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext(),
+            per_token_activations(self.target, self._per_token),
+        ):
             out = self.target(
                 input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                 output_hidden_states=bool(self.taps) or keep_hidden, **{self.cache_arg: self.target_cache.cache},

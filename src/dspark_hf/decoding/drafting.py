@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..kernels.packed_linear import pack_linears
+from ..kernels.weights import model_device, module_device, out_features
 from ..models.configuration_dspark import EARLY_DRAFT_POSITIONS
 from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
@@ -64,7 +65,7 @@ class _Generator:
         if self.lm_head is None:
             raise ValueError(f"{type(target).__name__} has no output embeddings (LM head) for the drafter to borrow.")
         self.device = next(drafter.parameters()).device
-        self.target_device = next(target.parameters()).device
+        self.target_device = model_device(target)
         pack_linears(drafter)  # the drafter's CPU linears through oneDNN's packed weights (packed_linear.py)
 
 
@@ -103,9 +104,12 @@ class DSparkCandidateGenerator(_Generator):
         Row r appends its n_r new context entries (positions start_r .. start_r + n_r - 1, padded to the longest
         row and masked) and runs the block [anchor, mask, ...] at positions anchor_r .. anchor_r + γ - 1.
         """
-        gamma, device = self.block_size, self.device
-        n_new = torch.tensor([row.context.shape[0] for row in rows], device=device)
-        contexts = [row.context.to(device) for row in rows]
+        gamma, device, window = self.block_size, self.device, getattr(self.config, "context_window", None)
+        # a bounded window (`context_window`) sees only the last W context entries: older ones are never projected
+        contexts = [(row.context if window is None else row.context[-window:]).to(device) for row in rows]
+        n_new = torch.tensor([context.shape[0] for context in contexts], device=device)
+        if window is not None:  # the cache keeps what the window still reaches beside the new entries
+            self.cache.keep_last(window - n_new)
         context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, C, m·d), zero-padded
         width = context.shape[1]
         ctx_valid = torch.arange(width, device=device)[None] < n_new[:, None]  # (B, C)
@@ -116,7 +120,7 @@ class DSparkCandidateGenerator(_Generator):
         position_ids = torch.cat([ctx_positions, block_positions], dim=1)  # (B, C + γ)
         keys = torch.cat([self.cache.valid, ctx_valid, ctx_valid.new_ones(len(rows), gamma)], dim=1)
         mask = None if bool(keys.all()) else keys[:, None, None, :].expand(-1, 1, gamma, -1)  # (B, 1, γ, K)
-        anchor_ids = torch.tensor([[row.seq[-1]] for row in rows], device=self.embed_tokens.weight.device)
+        anchor_ids = torch.tensor([[row.seq[-1]] for row in rows], device=module_device(self.embed_tokens))
         out = self.drafter(
             noise_embeds=self.drafter.block_input_embeds(anchor_ids, self.embed_tokens),
             context_hidden_states=context,
@@ -314,7 +318,7 @@ class Eagle3CandidateGenerator(_Generator):
         tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=self.target_device)
         logits = None
         if any(row.do_sample for row in rows):
-            logits = torch.zeros(len(rows), steps, self.lm_head.weight.shape[0], device=self.target_device)
+            logits = torch.zeros(len(rows), steps, out_features(self.lm_head), device=self.target_device)
         for i, draft in enumerate(drafted):
             if draft is not None:
                 n = draft.tokens.shape[1]

@@ -26,6 +26,7 @@ from transformers.utils import logging
 
 from ..kernels import verify_head
 from ..kernels.verify_head import eligible_linears, verify_kernels, version
+from ..kernels.weights import model_device, per_token_activations, per_token_linears, quantization
 from .scheduler import SPS
 
 
@@ -65,7 +66,8 @@ def device_key(device, dtype) -> str:
 
 
 def target_fingerprint(target) -> dict:
-    """{model_type, hidden_size, num_hidden_layers, vocab_size} of the target's (text) config."""
+    """{model_type, hidden_size, num_hidden_layers, vocab_size} of the target's (text) config, and how its linears
+    are quantized ("quantization", only for a quantized target: `weights.quantization`)."""
     config = target.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     fingerprint = {}
@@ -74,12 +76,14 @@ def target_fingerprint(target) -> dict:
         if value is None:
             value = getattr(config, field, None)
         fingerprint[field] = value
+    quantized = quantization(target)
+    if quantized is not None:  # only then: profiles of full-precision targets keep their fingerprint
+        fingerprint["quantization"] = quantized
     return fingerprint
 
 
 def _target_device_dtype(target) -> tuple[torch.device, torch.dtype]:
-    param = next(target.parameters())
-    return param.device, param.dtype
+    return model_device(target), next(target.parameters()).dtype
 
 
 # -- measuring ----------------------------------------------------------------------------------------------------
@@ -150,6 +154,7 @@ def profile_target(
     cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
     linears = eligible_linears(target)  # verify passes use the few-rows products where they apply (verify_head.py)
+    per_token = per_token_linears(target)
 
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
@@ -171,7 +176,10 @@ def profile_target(
                         ids = random_ids(b, k)
                         _sync(device)
                         start = time.perf_counter()
-                        with verify_kernels(target, linears) if way else contextlib.nullcontext():
+                        with (
+                            verify_kernels(target, linears) if way else contextlib.nullcontext(),
+                            per_token_activations(target, per_token),  # as the decode loop verifies (weights.py)
+                        ):
                             target(input_ids=ids, use_cache=True, **{cache_arg: cache})
                         _sync(device)
                         elapsed = time.perf_counter() - start
@@ -342,7 +350,8 @@ def _profile_mismatch(profile: dict, target, min_tokens: int | None = None) -> s
     if have != want:
         return f"profiled on {have}, the target runs on {want}"
     fingerprint = target_fingerprint(target)
-    stored = {field: profile["target"].get(field) for field in _FINGERPRINT_FIELDS}
+    stored = {field: profile["target"].get(field) for field in (*_FINGERPRINT_FIELDS, "quantization")}
+    fingerprint.setdefault("quantization", None)
     if stored != fingerprint:
         return f"profiled for target {stored}, this target is {fingerprint}"
     uses = version(target)

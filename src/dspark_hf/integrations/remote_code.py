@@ -25,6 +25,7 @@ MODULES = (
     "utils.checkpoints",
     "utils.compat",
     "kernels.few_rows",
+    "kernels.weights",
     "kernels.packed_linear",
     "kernels.verify_attention",
     "kernels.verify_head",

@@ -24,6 +24,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .few_rows import kept_copies, kept_copy, linear_few_rows, version_counter
+from .weights import computes_with_weight, plain_tensor
 
 
 logger = logging.get_logger(__name__)
@@ -72,6 +73,7 @@ def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         ENABLED
         and not torch.is_grad_enabled()
+        and plain_tensor(weight)  # no tensor subclass (torchao) or quantized weight: kernels/weights.py
         and weight.device.type == "cpu"
         and weight.dtype in _PACKABLE_DTYPES
         and x.dtype == weight.dtype
@@ -128,14 +130,15 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Make the model's plain `nn.Linear`s with more than one output `PackedLinear`s (others, and linears with an
-    accelerate hook or a replaced forward, are left alone). Idempotent; returns how many are `PackedLinear`s."""
+    """Make the model's plain `nn.Linear`s with more than one output `PackedLinear`s (others, and linears with a
+    quantized or subclass weight, an accelerate hook or a replaced forward, are left alone). Idempotent; returns how
+    many are `PackedLinear`s."""
     count = 0
     for module in model.modules():
         if (
             type(module) is nn.Linear
             and module.out_features > 1
-            and not hasattr(module, "_hf_hook")
+            and computes_with_weight(module)  # no quantized or subclass weight, no accelerate hook (weights.py)
             and "forward" not in vars(module)
         ):
             module.__class__ = PackedLinear

@@ -34,6 +34,7 @@ from torch import nn
 from . import verify_attention
 from .few_rows import linear_few_rows
 from .verify_attention import routable, routed  # (also how remote-code loading finds the module to copy)
+from .weights import computes_with_weight
 
 
 ENABLED = True
@@ -52,7 +53,7 @@ class VerifyLinear(nn.Linear):
     """
 
     max_rows = MAX_ROWS
-    computes_as_linear = True  # the same product as `nn.Linear` (modeling_dspark's `_plain_linear` reads this)
+    computes_as_linear = True  # the same product as `nn.Linear`, on the same dense weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.numel() // max(hidden.shape[-1], 1)
@@ -70,16 +71,16 @@ class VerifyHead(VerifyLinear):
 def _eligible(module) -> bool:
     return (
         type(module) is nn.Linear
+        and computes_with_weight(module)  # no quantized or subclass weight, no accelerate hook (weights.py)
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
-        and not hasattr(module, "_hf_hook")
         and "forward" not in vars(module)  # someone replaced its forward already: leave it alone
     )
 
 
 def eligible_linears(model) -> list[nn.Linear]:
-    """The plain float32 CPU `nn.Linear`s of `model` that verify passes compute the few-rows way (accelerate-hooked,
-    replaced or other-typed linears are left alone)."""
+    """The plain float32 CPU `nn.Linear`s of `model` that verify passes compute the few-rows way (quantized,
+    accelerate-hooked, replaced or other-typed linears are left alone: `weights.computes_with_weight`)."""
     return [m for m in model.modules() if _eligible(m)]
 
 
@@ -159,10 +160,13 @@ class KernelChoice:
 
     @contextlib.contextmanager
     def verify(self, model, rows: int, linears: list[nn.Linear] | None = None):
-        """`verify_kernels(model, linears)` where `use(rows)` says so, timing the block for `record`."""
+        """`verify_kernels(model, linears)` where `use(rows)` says so, timing the block for `record`. Without the
+        products the attention is still routed (`verify_attention.routed`): reading the key/value heads unrepeated
+        is never slower, and over a long cache it halves a verify (an 8-token verify over 8k positions: 362 -> 182
+        ms, docs/long_context.md), so only the products are chosen by measurement."""
         used = ENABLED and self.use(rows)
         start = time.perf_counter()
-        with verify_kernels(model, linears) if used else contextlib.nullcontext():
+        with verify_kernels(model, linears) if used else routed(model):
             yield
         self.record(rows, used, time.perf_counter() - start)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import logging
 
@@ -196,6 +197,18 @@ class DrafterConfig(PreTrainedConfig):
         self.validate_architecture()
         super().__post_init__(**kwargs)
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        """`PreTrainedConfig.from_dict` (what `from_pretrained` reads a config.json with); a field of the wrong type
+        (`"block_size": "4"`) is a `ValueError` naming the field and the type it needs."""
+        try:
+            return super().from_dict(config_dict, **kwargs)
+        except StrictDataclassError as err:
+            cause = err.__cause__ if err.__cause__ is not None else err
+            raise ValueError(
+                f"Invalid {cls.__name__} (config.json): {' '.join(str(cause).split())}; correct that field."
+            ) from None
+
     def validate_architecture(self):
         """Checks the shared fields and raises `ValueError` naming the bad value and the fix."""
         if self.block_size < 1:
@@ -358,8 +371,13 @@ class DSparkConfig(DrafterConfig):
             never drafted.
         tree_budget (`int`): 0 drafts a chain (the block, one token per position); N > 0 drafts a token tree of at
             most N nodes per row, grown best-first by estimated path acceptance and verified in one target forward
-            (greedy rows; see docs/trees.md). The verify policy then chooses how many of the tree's best nodes to
+            (greedy and seeded sampling rows; see docs/trees.md). The verify policy then chooses how many of the tree's best nodes to
             verify.
+        context_window (`int`, *optional*): a block anchored at position a attends to the target features of the
+            `context_window` positions before it (a - W .. a - 1) and no further, in training and in decoding, so
+            the draft pass's cost and behaviour stop depending on the prompt's length (the drafter cache keeps only
+            that many entries). None: the whole context, as DeepSpec and DFlash train and the engines serve.
+            Deviation from DeepSpec: the engines' draft layer has no such window, so export refuses it.
     """
 
     model_type = "dspark"
@@ -378,6 +396,7 @@ class DSparkConfig(DrafterConfig):
     tree_budget: int = 0
     draft_layer: str = "llama"
     attention_k_eq_v: bool = False
+    context_window: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.sts_temperatures is None:
@@ -432,6 +451,11 @@ class DSparkConfig(DrafterConfig):
             raise ValueError(
                 f"`tree_budget` must be an int >= 0 (0: draft a chain; N > 0: a tree of at most N nodes per row), "
                 f"got {self.tree_budget!r}."
+            )
+        if self.context_window is not None and (isinstance(self.context_window, bool) or self.context_window < 1):
+            raise ValueError(
+                f"`context_window` must be a number of context positions >= 1, or None for the whole context; got "
+                f"{self.context_window!r}."
             )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(

@@ -26,6 +26,7 @@ from transformers.utils import logging
 
 from ..kernels import packed_linear
 from ..kernels.few_rows import gathered_rows
+from ..kernels.weights import bias_of, dense_weight, dequantized, input_dtype, out_features
 from .configuration_dspark import DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, DSparkConfidenceHead, survival_probabilities
 from .modeling_dspark_layers import (
@@ -76,13 +77,6 @@ class DSparkBlockDraft:
     survival: list[float]
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    """An unhooked `nn.Linear` whose weight can be multiplied directly (or its rows picked); a subclass counts if it
-    keeps `nn.Linear`'s parameters and only changes how the product is computed (the verify kernels' classes)."""
-    plain = type(module) is nn.Linear or getattr(type(module), "computes_as_linear", False)
-    return plain and not (module._forward_hooks or module._forward_pre_hooks)
-
-
 class DrafterMixin:
     """What every drafter of this package shares: logits through the target's LM head (borrowed at call time, never
     stored), strict safetensors-only loading with an optional target check, and `generation_stats`.
@@ -111,11 +105,12 @@ class DrafterMixin:
 
         Pass `target=` (and `tokenizer=`) to check at load time that the drafter was made for that target.
         """
-        from ..utils.checkpoints import check_checkpoint_files, raise_on_incomplete_load
+        from ..utils.checkpoints import check_checkpoint_files, check_model_type, raise_on_incomplete_load
 
         target, tokenizer = kwargs.pop("target", None), kwargs.pop("tokenizer", None)
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DSpark drafters load from safetensors only; drop `use_safetensors=False`.")
+        check_model_type(pretrained_model_name_or_path, cls.config_class.model_type, kwargs.get("subfolder") or "")
         check_checkpoint_files(pretrained_model_name_or_path, kwargs)
         kwargs["use_safetensors"] = True
         want_info = kwargs.pop("output_loading_info", False)
@@ -135,11 +130,16 @@ class DrafterMixin:
         target multiplies by a bf16 copy of the head's rows (kept between no-grad calls), half the memory traffic of
         the float32 rows on every draft; a float32 drafter beside a bf16 head casts its hidden states down instead
         (no float32 copy of a large head). On the CPU through oneDNN's packed layout (`packed_linear.linear`).
+        A quantised or hooked head (`weights.weight_kind`) is called as it is; only rows of it (`vocab_ids`) are
+        taken from a float copy made once (`weights.dequantized`, logged with its size).
         """
-        if vocab_ids is None and not _plain_linear(lm_head):  # a quantised or hooked (offloaded) head computes itself
-            logits = lm_head(hidden_states.to(lm_head.weight.dtype)).float()
+        weight = dense_weight(lm_head)  # None: a quantised or hooked (offloaded) head (kernels/weights.py)
+        if weight is None and vocab_ids is None:  # the head computes itself, exactly as in the target
+            logits = lm_head(hidden_states.to(input_dtype(lm_head))).float()
         else:
-            weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+            if weight is None:  # rows of a non-dense head: a float copy in the drafter's dtype, made once and logged
+                weight = dequantized(lm_head, self, self.dtype)
+            bias = bias_of(lm_head)
             narrower = weight.dtype.is_floating_point and self.dtype.itemsize < weight.dtype.itemsize
             # the rows are kept between no-grad calls (inference, evaluation) when gathered or cast
             weight = gathered_rows(self, weight, vocab_ids, self.dtype if narrower else None)
@@ -237,11 +237,12 @@ class DSparkDraftModel(DrafterMixin, DSparkPreTrainedModel):
 
     def draft_base_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """`U_k` at inference: (B, K, d) -> (B, K, V) float32. With a draft vocabulary only its columns are computed
-        (the LM head's rows gathered once and kept, `few_rows.gathered_rows`) and every other logit is -inf."""
+        (the LM head's rows gathered once and kept, `few_rows.gathered_rows`; a quantised or hooked head is dequantized
+        once for it, `weights.dequantized`) and every other logit is -inf."""
         ids = self.draft_vocab_ids
-        if ids is None or not _plain_linear(lm_head):  # a quantised or hooked head computes the whole vocabulary
+        if ids is None:
             return self.base_logits(hidden_states, lm_head)
-        return self._scatter(self.base_logits(hidden_states, lm_head, ids), float("-inf"), lm_head.weight.shape[0])
+        return self._scatter(self.base_logits(hidden_states, lm_head, ids), float("-inf"), out_features(lm_head))
 
     def draft_sequential_bias(self, prev_ids, hidden_states, state=None):
         """`sequential_bias` at inference: (B, K, V) over the draft vocabulary's columns (0 elsewhere), or None."""

@@ -25,6 +25,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from ..kernels.weights import module_device, out_features
 from .configuration_eagle3 import Eagle3Config
 from .modeling_dspark import DrafterMixin, DSparkBlockDraft
 from .modeling_dspark_layers import (
@@ -227,7 +228,7 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
         device = self.fc.weight.device
         new = sequence_ids[:, past:]
         out = self(
-            inputs_embeds=embed_tokens(new.to(embed_tokens.weight.device)),
+            inputs_embeds=embed_tokens(new.to(module_device(embed_tokens))),
             target_hidden_states=features,
             position_ids=torch.arange(past, length, device=device)[None],
             attention_mask=causal_mask(length - past, length, key_mask, device),
@@ -237,7 +238,7 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
         for k in range(num_tokens):
             if k:  # feed the last draft with the drafter's own output as its feature
                 out = self(
-                    inputs_embeds=embed_tokens(ids[:, -1:].to(embed_tokens.weight.device)),
+                    inputs_embeds=embed_tokens(ids[:, -1:].to(module_device(embed_tokens))),
                     hidden_states=out.prenorm_hidden_state[:, -1:],
                     position_ids=torch.tensor([[length - 1 + k]], device=device),
                     attention_mask=causal_mask(1, length + k, key_mask, device),
@@ -255,7 +256,7 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
         logits = (
             torch.stack(logits_out, dim=1)
             if logits_out
-            else out.last_hidden_state.new_zeros(1, 0, lm_head.weight.shape[0])
+            else out.last_hidden_state.new_zeros(1, 0, out_features(lm_head))
         )
         return DSparkBlockDraft(tokens=ids[:, length:], logits=logits, confidence_logits=None, survival=[])
 

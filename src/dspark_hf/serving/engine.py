@@ -22,6 +22,7 @@ from ..decoding.drafting import is_drafter
 from ..decoding.policy import VerifyPolicy
 from ..decoding.rows import Row
 from ..decoding.scheduler import SPS
+from ..kernels.weights import model_device
 from .request import Request, check_sampling_settings, prompt_token_ids
 
 
@@ -90,7 +91,7 @@ class Engine:
             raise ValueError(f"`max_batch_size` must be a positive int, got {max_batch_size!r}.")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.max_batch_size = max_batch_size
-        self.device = next(target.parameters()).device
+        self.device = model_device(target)
         self.vocab_size = target.config.get_text_config().vocab_size
         policy = None
         if drafter is None:
@@ -183,6 +184,7 @@ class Engine:
             )  # fmt: skip
             if request.seed is None:  # recorded on the request: passing it again reproduces the output
                 request.seed = secrets.randbits(63)
+            request._run_round = self._round_for_a_waiter
             self._requests[request_id] = request
             self._waiting.append(request)
             self._wakeup.notify_all()
@@ -228,6 +230,17 @@ class Engine:
             except BaseException as error:
                 self._fail_all(error)
                 raise
+
+    def _round_for_a_waiter(self) -> bool:
+        """`Request.wait()` / `stream()` while no loop thread runs: one round in the caller's thread (False, and
+        nothing run, when a loop thread runs). A failed round has already ended every request with its error."""
+        if self.is_running:
+            return False
+        try:
+            self.step()
+        except Exception:  # step() has ended every request with the error, which wait() / stream() raise
+            pass
+        return True
 
     def _admit(self) -> list[Request]:
         """Prefill queued requests while the batch has room; returns those finished by their first token."""
@@ -292,7 +305,9 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the loop thread after its current step; unfinished requests stay queued for a later start/step."""
+        """Stop the loop thread after its current step. The engine can start again: unfinished and newly added
+        requests stay queued for a later `start()` or `step()`, and `wait()` / `stream()` on one run its rounds in the
+        caller's thread meanwhile (as on an engine never started)."""
         self._stopping.set()
         with self._lock:
             self._wakeup.notify_all()

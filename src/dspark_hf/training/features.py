@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from ..kernels.weights import module_device
 from ..utils.files import atomic_write_json
 from .step import target_features
 
@@ -146,7 +147,7 @@ def _forward(target, dataset, indices: list[int], layer_ids):
     ids = torch.zeros(len(pieces), max(lengths), dtype=torch.long)
     for row, piece in enumerate(pieces):
         ids[row, : len(piece)] = torch.from_numpy(piece)
-    device = target.get_input_embeddings().weight.device
+    device = module_device(target.get_input_embeddings())
     context, last = target_features(target, ids.to(device), layer_ids)
     return context, last, lengths
 

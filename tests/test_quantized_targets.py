@@ -1,0 +1,193 @@
+"""Quantized and offloaded targets: what the package may do with each kind of target linear (`kernels/weights.py`),
+and greedy decoding with a drafter that is token-identical to the quantized target's own plain greedy decoding."""
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_drafter, make_target
+from dspark_hf.integrations.quantization import quantize_target
+from dspark_hf.kernels import verify_head, weights
+from dspark_hf.kernels.packed_linear import pack_linears
+from dspark_hf.kernels.weights import DENSE, HOOKED, QUANTIZED, SUBCLASS, weight_kind
+from dspark_hf.serving.engine import Engine
+from helpers import pin_drafter
+
+
+PROMPTS = [[5, 17, 3, 8], [40, 2, 9, 11, 7, 33, 8, 1], [61, 4]]
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+
+class RefusingWeight(torch.Tensor):
+    """A minimal weight tensor subclass in the manner of torchao's: `F.linear` with it works (through
+    `__torch_function__`), any other operation on it (`weight @ x`, indexing, casting) raises."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+
+    def __init__(self, data):
+        self.data_ = data
+
+    def dequantize(self):
+        return self.data_.clone()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.linear:
+            x, weight, bias = (*args, None)[:3] if len(args) >= 2 else (args[0], kwargs["weight"], None)
+            return nn.functional.linear(x, weight.data_, kwargs.get("bias", bias))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return RefusingWeight(args[0].data_)
+        raise NotImplementedError(f"RefusingWeight refuses {func}")
+
+    def __repr__(self):
+        return f"RefusingWeight({tuple(self.shape)})"
+
+
+def with_refusing_weights(target):
+    for module in target.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(RefusingWeight(module.weight.detach().clone()), requires_grad=False)
+    return target
+
+
+def offloaded(target):
+    from accelerate import cpu_offload
+
+    cpu_offload(target, execution_device="cpu")
+    return target
+
+
+KINDS = {  # how the target's linears are made -> the kind `weight_kind` must name
+    "int8-weight": (lambda t: quantize_target(t, "int8-weight"), SUBCLASS),
+    "int4-weight": (lambda t: quantize_target(t, "int4-weight"), SUBCLASS),
+    "dynamic-int8": (lambda t: quantize_target(t, "dynamic-int8"), QUANTIZED),
+    "tensor-subclass": (with_refusing_weights, SUBCLASS),
+    "accelerate-offloaded": (offloaded, HOOKED),
+}
+
+
+def built(kind, **target_kwargs):
+    make, expected = KINDS[kind]
+    if kind.endswith("-weight") and not HAS_TORCHAO:
+        pytest.skip("torchao is not installed (pip install torchao)")
+    target = make_target(**target_kwargs)
+    drafter = make_drafter(target)  # built on the float target, as a shipped drafter is
+    return make(target), drafter, expected
+
+
+def test_the_kinds_are_told_apart():
+    assert weight_kind(nn.Linear(4, 3)) == DENSE
+    refusing = with_refusing_weights(nn.Sequential(nn.Linear(4, 3)))[0]
+    assert weight_kind(refusing) == SUBCLASS and weights.dense_weight(refusing) is None
+    with pytest.raises(NotImplementedError):
+        refusing.weight @ torch.randn(4, 2)
+    hooked = nn.Linear(4, 3)
+    hooked.register_forward_hook(lambda *a: None)
+    assert weight_kind(hooked) == HOOKED
+
+    class Params4bit(nn.Parameter):  # bitsandbytes' 4-bit weight class, recognised by its public name only
+        pass
+
+    bnb_like = nn.Linear(4, 3)
+    bnb_like.weight = Params4bit(torch.zeros(6, 1, dtype=torch.uint8), requires_grad=False)
+    bnb_like.compute_dtype = torch.bfloat16
+    assert weight_kind(bnb_like) == QUANTIZED and weights.input_dtype(bnb_like) == torch.bfloat16
+
+    gptq_like = nn.Module()  # GPTQ/AWQ QuantLinear: packed `qweight`, `scales`, no `weight`
+    gptq_like.register_buffer("qweight", torch.zeros(4, 3, dtype=torch.int32))
+    gptq_like.infeatures, gptq_like.outfeatures = 32, 3
+    assert weight_kind(gptq_like) == QUANTIZED and weights.out_features(gptq_like) == 3
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_kind_dequantization_and_the_kernels_leave_it_alone(kind):
+    target, _, expected = built(kind)
+    head = target.get_output_embeddings()
+    assert weight_kind(head) == expected
+    assert (weights.quantization(target) is None) == (kind == "accelerate-offloaded")
+    assert verify_head.eligible_linears(target) == []  # no few-rows product on a weight that is not plain
+    assert pack_linears(target) == 0
+    # one explicit float copy, equal to what the module computes (exactly, for weight-only kinds)
+    owner = nn.Module()
+    copy = weights.dequantized(head, owner)
+    assert weights.dequantized(head, owner) is copy and copy.shape == (99, 32)
+    x = torch.randn(1, 32)
+    tolerance = dict(atol=0.05, rtol=0.05) if kind == "dynamic-int8" else {}
+    torch.testing.assert_close(nn.functional.linear(x, copy), head(x), **tolerance)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_generate_with_a_drafter_equals_the_quantized_targets_own_greedy(kind):
+    target, drafter, _ = built(kind)
+    plain = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=14)[0].tolist() for p in PROMPTS]
+    # the drafter's heads through the borrowed quantized head (random drafts), then drafts right up to slot 2
+    for use in (drafter, pin_drafter(make_drafter(target), plain, diverge_at=2)):
+        for prompt, reference in zip(PROMPTS, plain):
+            out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=14, assistant_model=use)
+            assert out[0].tolist() == reference
+    assert use.generation_stats.per_position_acceptance[:3] == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("kind", ["int8-weight", "dynamic-int8", "tensor-subclass"])
+def test_batches_and_the_engine_give_each_row_its_own_greedy(kind):
+    """Every row of a batch (generate() left-padded, the Engine) equals its prompt's plain batch-1 greedy output on the
+    quantized target: for dynamic int8 too, whose own batched generate() depends on the batch (one activation
+    scale per call), because the decoder prefills its prompts one by one and verifies token by token."""
+    target, drafter, _ = built(kind)
+    plain = [
+        target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12)[0, len(p) :].tolist() for p in PROMPTS
+    ]
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in PROMPTS])[:, None]).long()
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, assistant_model=drafter)
+    assert out[:, width:].tolist() == plain
+    engine = Engine(target, make_drafter(target), verify_policy="fixed")
+    assert engine.generate(PROMPTS, max_new_tokens=12) == plain
+
+
+def test_a_draft_vocabulary_takes_rows_of_one_dequantized_copy():
+    target, drafter, _ = built("tensor-subclass")
+    drafter.set_draft_vocab(list(range(0, 99, 2)))
+    plain = target.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=10)
+    out = target.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=10, assistant_model=drafter)
+    assert torch.equal(out, plain)
+    from dspark_hf.kernels.few_rows import kept_copies
+
+    (copy,) = kept_copies(drafter, "dequantized")
+    assert copy.shape == (99, 32) and type(copy) is torch.Tensor
+
+
+def test_dynamic_int8_verifies_each_token_with_its_own_scale():
+    """One activation scale per call makes a token's output depend on its neighbours; within
+    `per_token_activations` a k-token call gives each token exactly its one-token result."""
+    (linear,) = weights.per_token_linears(quantize_target(nn.Sequential(nn.Linear(16, 8)), "dynamic-int8"))
+    x = torch.randn(1, 3, 16)
+    x[0, 2] *= 50  # one large activation widens the shared scale
+    alone = torch.cat([linear(x[:, i : i + 1]) for i in range(3)], dim=1)
+    assert not torch.equal(linear(x), alone)
+    cls = type(linear)
+    with weights.per_token_activations(linear, [linear]):
+        assert torch.equal(linear(x), alone)
+    assert type(linear) is cls
+
+
+def test_profiles_tell_a_quantized_target_from_its_float_original():
+    from dspark_hf.decoding.profiling import _target_key, target_fingerprint
+
+    target = make_target()
+    before = _target_key(target)
+    assert "quantization" not in target_fingerprint(target)  # the shipped profiles' fingerprints stay valid
+    quantized = quantize_target(target, "dynamic-int8")
+    assert target_fingerprint(quantized)["quantization"] == weights.quantization(quantized)
+    assert _target_key(quantized) != before
