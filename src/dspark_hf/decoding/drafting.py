@@ -197,26 +197,33 @@ class DSparkCandidateGenerator(_Generator):
         depth = max(caps)
         if depth == 0:
             return Drafts(hidden.new_zeros(len(rows), 0, dtype=torch.long), None, list(caps), [[] for _ in rows])
-        base = self.drafter.draft_base_logits(hidden[:, :depth], self.lm_head)  # (B, D, V): U_k per row and depth
+        early = policy is not None and policy.stops_early
+        # U_k per row and depth (B, D, V); a policy that can stop early takes the first depths first, as chains do
+        first = min(EARLY_DRAFT_POSITIONS, depth) if early else depth
+        base = [self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)]
         anchors = [row.seq[-1] for row in rows]
 
         def expand(entries):
             index = torch.tensor([r for r, _, _ in entries], device=hidden.device)
-            level = torch.tensor([tree.depth(node) for _, tree, node in entries], device=hidden.device)
+            levels = [tree.depth(node) for _, tree, node in entries]
+            if max(levels) >= base[0].shape[1]:  # a node deeper than the depths computed so far: the rest at once
+                rest = self.drafter.draft_base_logits(hidden[:, base[0].shape[1] : depth], self.lm_head)
+                base[0] = torch.cat([base[0], rest], dim=1)
+            level = torch.tensor(levels, device=hidden.device)
             prev = torch.tensor(
                 [[anchors[r] if node < 0 else tree.tokens[node]] for r, tree, node in entries], device=hidden.device
             )  # (n, 1)
             states = [None if node < 0 else tree.states[node] for _, tree, node in entries]
             state = None if states[0] is None else torch.stack(states)  # (n, r): the RNN head's, per node
             bias, next_state = self.drafter.draft_sequential_bias(prev, hidden[index, level][:, None], state)
-            logits = base[index, level] if bias is None else base[index, level] + bias[:, 0]  # (n, V)
+            logits = base[0][index, level] if bias is None else base[0][index, level] + bias[:, 0]  # (n, V)
             paths = [[tree.path(node)] for _, tree, node in entries]
             entry_rows = [rows[r] for r, _, _ in entries]
             logits = process_logits(entry_rows, logits[:, None], paths=paths)[:, 0]
             ranked = logits
             if any(row.do_sample for row in entry_rows):  # the children of a node at depth d: position len(seq) + d
                 ranked = logits.clone()
-                for i, (row, d) in enumerate(zip(entry_rows, level.tolist())):
+                for i, (row, d) in enumerate(zip(entry_rows, levels)):
                     if row.do_sample:
                         ranked[i] += row.noise([len(row.seq) + d], logits.shape[-1], logits.device)[0]
             top = torch.topk(ranked, min(budget, logits.shape[-1]), dim=-1)
@@ -235,7 +242,6 @@ class DSparkCandidateGenerator(_Generator):
             width = policy.settled_width(conditional, limits)
             return width is not None and all(len(t.tokens) >= min(width, n) for t, n in zip(trees, limits))
 
-        early = policy is not None and policy.stops_early
         trees = grow_trees(expand, len(rows), caps, budget, settled if early else None)
         tokens, parents, depths = pack_trees(trees, self.target_device)
         conditional = [conditional_confidences(tree.scores) for tree in trees]
