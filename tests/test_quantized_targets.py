@@ -18,6 +18,7 @@ from helpers import pin_drafter
 
 PROMPTS = [[5, 17, 3, 8], [40, 2, 9, 11, 7, 33, 8, 1], [61, 4]]
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
 
 class RefusingWeight(torch.Tensor):
@@ -60,6 +61,26 @@ def with_refusing_weights(target):
     return target
 
 
+def with_bitsandbytes(target, bits):
+    """Every linear of the target as a bitsandbytes `Linear4bit` (nf4) or `Linear8bitLt` (int8), on the CPU."""
+    import bitsandbytes as bnb
+
+    for parent in list(target.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            weight = child.weight.detach().clone()
+            if bits == 4:
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, quant_type="nf4")
+                new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+                new.compute_dtype = torch.float32
+            else:
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=False, has_fp16_weights=False)
+                new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+            setattr(parent, name, new.to("cpu"))  # bitsandbytes quantizes on the move to a device
+    return target
+
+
 def offloaded(target):
     from accelerate import cpu_offload
 
@@ -73,6 +94,8 @@ KINDS = {  # how the target's linears are made -> the kind `weight_kind` must na
     "dynamic-int8": (lambda t: quantize_target(t, "dynamic-int8"), QUANTIZED),
     "tensor-subclass": (with_refusing_weights, SUBCLASS),
     "accelerate-offloaded": (offloaded, HOOKED),
+    "bnb-4bit": (lambda t: with_bitsandbytes(t, 4), QUANTIZED),
+    "bnb-8bit": (lambda t: with_bitsandbytes(t, 8), QUANTIZED),
 }
 
 
@@ -80,6 +103,8 @@ def built(kind, **target_kwargs):
     make, expected = KINDS[kind]
     if kind.endswith("-weight") and not HAS_TORCHAO:
         pytest.skip("torchao is not installed (pip install torchao)")
+    if kind.startswith("bnb") and not HAS_BNB:
+        pytest.skip("bitsandbytes is not installed (its CPU wheel: pip install bitsandbytes)")
     target = make_target(**target_kwargs)
     drafter = make_drafter(target)  # built on the float target, as a shipped drafter is
     return make(target), drafter, expected
@@ -122,7 +147,7 @@ def test_kind_dequantization_and_the_kernels_leave_it_alone(kind):
     copy = weights.dequantized(head, owner)
     assert weights.dequantized(head, owner) is copy and copy.shape == (99, 32)
     x = torch.randn(1, 32)
-    tolerance = dict(atol=0.05, rtol=0.05) if kind == "dynamic-int8" else {}
+    tolerance = dict(atol=0.05, rtol=0.05) if kind in ("dynamic-int8", "bnb-8bit") else {}
     torch.testing.assert_close(nn.functional.linear(x, copy), head(x), **tolerance)
 
 
