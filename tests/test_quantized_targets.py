@@ -216,3 +216,34 @@ def test_profiles_tell_a_quantized_target_from_its_float_original():
     quantized = quantize_target(target, "dynamic-int8")
     assert target_fingerprint(quantized)["quantization"] == weights.quantization(quantized)
     assert _target_key(quantized) != before
+
+
+def test_calibrate_refits_temperatures_for_a_quantized_target_into_a_copy(tmp_path, capsys):
+    import json
+
+    from dspark_hf import DSparkDraftModel
+    from dspark_hf.cli import main
+    from dspark_hf.training.dataset import TokenDataset
+    from helpers import char_tokenizer
+
+    target = make_target()
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(99).save_pretrained(tmp_path / "target")
+    original = make_drafter(target, block_size=3)
+    original.save_pretrained(tmp_path / "drafter")
+    seqs = [torch.randint(0, 99, (30,)).tolist() for _ in range(6)]
+    TokenDataset.from_sequences(seqs, [2] * 6).save(tmp_path / "heldout.npz")
+    args = ["calibrate", "--data", str(tmp_path / "heldout.npz"), "--seq-len", "32", "--batches", "2"]
+    args += ["--anchors", "8", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+    args += ["--quantize", "dynamic-int8"]
+    assert main(args) == 2  # without --out the full-precision calibration would be overwritten
+    assert "--out" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "int8")]) == 0
+    report = json.loads((tmp_path / "int8/calibration.json").read_text())
+    assert report["quantize"] == "dynamic-int8" and len(report["shipped"]["ece"]) == 3
+    copy = DSparkDraftModel.from_pretrained(tmp_path / "int8")
+    assert copy.config.sts_temperatures == pytest.approx(report["temperatures"])
+    kept = DSparkDraftModel.from_pretrained(tmp_path / "drafter")
+    assert kept.config.sts_temperatures == original.config.sts_temperatures  # the checkpoint's own: untouched
+    for mine, theirs in zip(copy.state_dict().values(), original.state_dict().values()):
+        assert torch.equal(mine, theirs.to(mine.dtype))  # the backbone and heads: untouched

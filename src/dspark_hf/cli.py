@@ -65,7 +65,8 @@ def _load(args):
     from .default import load_default
 
     if args.target is None:
-        return load_default(drafter_path=args.drafter, drafter_dtype=_drafter_dtype(args))
+        target, tokenizer, drafter = load_default(drafter_path=args.drafter, drafter_dtype=_drafter_dtype(args))
+        return _quantized(target, args), tokenizer, drafter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .kernels.packed_linear import inference_dtype
@@ -76,7 +77,17 @@ def _load(args):
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     drafter = DSparkDraftModel.from_pretrained(args.drafter, dtype=_drafter_dtype(args) or inference_dtype()).eval()
-    return target, tokenizer, drafter
+    return _quantized(target, args), tokenizer, drafter
+
+
+def _quantized(target, args):
+    """The target quantized as --quantize says (`integrations/quantization.py`), or as loaded."""
+    how = getattr(args, "quantize", None)
+    if how is None:
+        return target
+    from .integrations.quantization import quantize_target
+
+    return quantize_target(target, how)
 
 
 def cmd_demo(args) -> int:
@@ -142,7 +153,7 @@ def _load_drafters(args):
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target)
     dtype = _drafter_dtype(args)
-    return target, tokenizer, {label: load_assistant(path, dtype) for label, path in specs.items()}
+    return _quantized(target, args), tokenizer, {label: load_assistant(path, dtype) for label, path in specs.items()}
 
 
 def _check_bench_args(args) -> None:
@@ -527,6 +538,11 @@ def cmd_calibrate(args) -> int:
     _check_file(args.data, "--data")
     _check_model_path(args.target, "--target")
     _check_model_path(args.drafter, "--drafter", drafter=True)
+    _require(
+        args.quantize is None or args.out is not None,
+        "calibrate --quantize needs --out FOLDER: the drafter recalibrated for the quantized target is written "
+        "there, and the checkpoint's own temperatures (for the full-precision target) stay as they are.",
+    )
     target, _, drafter = _load(args)
     logits, labels = collect_confidence(
         drafter,
@@ -535,16 +551,26 @@ def cmd_calibrate(args) -> int:
         seq_len=args.seq_len,
         num_batches=args.batches,
         num_anchors=args.anchors,
+        against_target=args.quantize is not None,  # the quantized target's own greedy tokens decide acceptance
     )
     temps = fit_sts(logits, labels)
     report = calibration_report(logits, labels, temps)
+    shipped = drafter.sts_temperatures
+    report["shipped"] = calibration_report(logits, labels, shipped, folds=0)["after"]  # the checkpoint's own T
+    report["quantize"] = args.quantize
     folder = Path(args.drafter)
+    if args.out is not None:  # a copy of the drafter (backbone untouched) with the new temperatures
+        folder = Path(args.out)
+        drafter.config.sts_temperatures = [float(t) for t in temps]
+        drafter.save_pretrained(folder)
     config = DSparkConfig.from_pretrained(folder)
     config.sts_temperatures = [float(t) for t in temps]
     tmp = folder / ".config.json.tmp"
     config.to_json_file(tmp)
     tmp.replace(folder / "config.json")  # atomic: the old config stays intact until the new one is complete
     atomic_write_json(report, folder / "calibration.json")
+    shipped_ece, fitted_ece = (sum(report[k]["ece"]) / len(temps) for k in ("shipped", "cross_fitted"))
+    print(f"mean ECE with the checkpoint's temperatures {shipped_ece:.4f} -> refitted (cross-fitted) {fitted_ece:.4f}")
     if args.png:
         reliability_diagram(logits, labels, temps, args.png)
     crossed = report["cross_fitted"]["ece"]
@@ -610,7 +636,7 @@ def cmd_profile(args) -> int:
         from transformers import AutoModelForCausalLM
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
-    target.to(device)
+    target = _quantized(target.to(device), args)
     profile = profile_target(target, lengths=lengths, context_len=args.context_len, repeats=args.repeats)
     save_profile(profile, args.out)
     threads, context = profile["torch_threads"], profile["context_len"]
@@ -655,6 +681,12 @@ def build_parser() -> argparse.ArgumentParser:
             )
         else:
             p.add_argument("--drafter", help="DSpark drafter checkpoint (default: the shipped default drafter)")
+        p.add_argument(
+            "--quantize",
+            choices=["int8-weight", "int4-weight", "dynamic-int8"],
+            default=None,
+            help="quantize the target's linears after loading (torchao int8/int4 weight-only, PyTorch dynamic int8)",
+        )
         p.add_argument(
             "--drafter-dtype",
             choices=["auto", "float32", "bfloat16", "float16"],
@@ -775,6 +807,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--repeats", type=int, default=5, help="timed runs per size (median taken)")
     profile.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     profile.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    profile.add_argument(
+        "--quantize", choices=["int8-weight", "int4-weight", "dynamic-int8"], default=None, help="as for bench"
+    )
     profile.add_argument("--out", default="sps_profile.json")
     profile.add_argument(
         "--png", default=None, help="plot path (default: beside --out, as .png; '' for none; needs matplotlib)"
@@ -787,6 +822,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--batches", type=int, default=8)
     cal.add_argument("--anchors", type=int, default=64)
     cal.add_argument("--png", default=None, help="write a reliability diagram here")
+    cal.add_argument(
+        "--out", default=None, help="write the recalibrated drafter here instead (needed with --quantize)"
+    )
     add_models(cal)
     cal.set_defaults(func=cmd_calibrate)
 
