@@ -87,7 +87,7 @@ def sample_block(drafter, target, hidden, ids, processors=None, do_sample=False,
     (1, γ, V) when sampling, conditional confidences)."""
     if isinstance(target, tuple):
         target = _Borrowed(*target)
-    row = _Row(ids[0].tolist(), do_sample=do_sample)
+    row = _Row(ids[0].tolist(), do_sample=do_sample, seed=0 if do_sample else None)
     row.processors = processors
     generator = DSparkCandidateGenerator(drafter, target)
     policy = policy or VerifyPolicy("fixed")

@@ -8,11 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from test_conversion import deepspec_config
 
+import dspark_hf
 from conftest import make_drafter, make_target
 from dspark_hf.cli import main
+from dspark_hf.training.dataset import TokenDataset
 from dspark_hf.training.trainer import write_manifest
 
 
@@ -51,8 +55,28 @@ def files(tmp_path_factory):
     }
     for name, text in texts.items():
         (root / f"{name}.jsonl").write_text(text)
-    make_drafter(make_target()).save_pretrained(root / "drafter")
-    (root / "data.npz").write_bytes(b"")  # only its existence is checked before the target loads
+    target = make_target()
+    make_drafter(target).save_pretrained(root / "drafter")
+    config = json.loads((root / "drafter/config.json").read_text())
+    (root / "typo_drafter").mkdir()
+    (root / "typo_drafter/config.json").write_text(json.dumps({**config, "block_size": "4"}))
+    for name, drop in [
+        ("no_hidden_size", "hidden_size"),
+        ("no_vocab_size", "vocab_size"),
+        ("no_arch", "architectures"),
+    ]:
+        (root / name).mkdir()
+        deepspec = {k: v for k, v in deepspec_config(target.config).items() if k != drop}
+        (root / name / "config.json").write_text(json.dumps(deepspec))
+    (root / "target").mkdir()
+    target.config.to_json_file(root / "target/config.json")
+    sequences = [torch.randint(0, 99, (40,)).tolist() for _ in range(3)]
+    TokenDataset.from_sequences(sequences, [2] * 3).save(root / "data.npz")
+    TokenDataset.from_sequences([], []).save(root / "no_sequences.npz")
+    TokenDataset.from_sequences([[5, 6, 7]], [0]).save(root / "short.npz")
+    (root / "zero_bytes.npz").write_bytes(b"")
+    np.savez(root / "no_arrays.npz", ids=np.zeros(3))
+    (root / "empty_prompt.jsonl").write_text('{"prompt": "Hello"}\n{"prompt": ""}\n')
     (root / "bad.json").write_text("{block_size: 3")
     (root / "list.json").write_text("[1, 2]")
     (root / "unknown.json").write_text('{"blok_size": 3}')
@@ -71,6 +95,13 @@ def run(argv, capsys):
 def cases(root, dead_port):
     good, drafter, data = root / "good.jsonl", root / "drafter", root / "data.npz"
     train = ["train", "--set", f"data={data}", f"output_dir={root / 'run'}"]
+
+    def calibrate(data_path):
+        return ["calibrate", "--data", data_path, "--drafter", drafter, "--out", root / "calibrated"]
+
+    def features(data_path):
+        return ["features", "--data", data_path, "--out", root / "features"]
+
     return {
         "bench malformed JSONL": (["bench", "--prompts", root / "malformed.jsonl"], "malformed.jsonl:2 is not valid"),
         "bench missing field": (["bench", "--prompts", root / "no_field.jsonl"], 'needs a "prompt"'),
@@ -129,7 +160,69 @@ def cases(root, dead_port):
         "serve --api-key empty": (["serve", "--api-key", " ", "--port", "0"], "--api-key is empty"),
         "serve --max-batch-size 0": (["serve", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
         "serve --drafter missing": (["serve", "--drafter", "/no/such/drafter", "--port", "0"], "does not exist"),
-        "calibrate --data missing": (["calibrate", "--data", "/no/such.npz"], "--data /no/such.npz: no such file"),
+        "calibrate --data missing": (calibrate("/no/such.npz"), "--data /no/such.npz: no such file"),
+        # typed drafter configs (a string where an int belongs), DeepSpec configs missing a field
+        "demo --drafter block_size '4'": (
+            ["demo", "--drafter", root / "typo_drafter"],
+            "Invalid DSparkConfig (config.json): Field 'block_size' expected int, got str (value: '4')",
+        ),
+        "demo --drafter DeepSpec without hidden_size": (
+            ["demo", "--drafter", root / "no_hidden_size"],
+            "DeepSpec config lacks the target field(s) ['hidden_size']",
+        ),
+        "demo --drafter DeepSpec without vocab_size": (
+            ["demo", "--drafter", root / "no_vocab_size"],
+            "DeepSpec config lacks the target field(s) ['vocab_size']",
+        ),
+        "demo --drafter DeepSpec without architectures": (
+            ["demo", "--drafter", root / "no_arch"],
+            "looks like a DeepSpec DSpark config",
+        ),
+        "demo --drafter a target's folder": (
+            ["demo", "--drafter", root / "target"],
+            "has model_type 'llama', not 'dspark': it is not this kind of drafter's checkpoint",
+        ),
+        # token datasets that are no datasets, or empty, or too short: found before any model loads
+        "calibrate 0-byte .npz": (calibrate(root / "zero_bytes.npz"), "(the file is empty)"),
+        "calibrate .npz without arrays": (
+            calibrate(root / "no_arrays.npz"),
+            "lacks the array(s) ['tokens', 'offsets'",
+        ),
+        "calibrate 0 sequences": (calibrate(root / "no_sequences.npz"), "no_sequences.npz holds no sequences"),
+        "calibrate too short": (
+            calibrate(root / "short.npz"),
+            "short.npz is too short to calibrate: a held-out block of this block-4 drafter needs 5 supervised tokens "
+            "in a row, and the data holds 0 such blocks; calibration needs at least 2",
+        ),
+        "calibrate default drafter too short": (
+            ["calibrate", "--data", root / "short.npz", "--out", root / "cal"],
+            "block-7 drafter needs 8 supervised tokens",
+        ),
+        "train 0-byte .npz": ([*train[:2], f"data={root / 'zero_bytes.npz'}"], "the file is empty"),
+        "train .npz without arrays": ([*train[:2], f"data={root / 'no_arrays.npz'}"], "lacks the array(s)"),
+        "train 0 sequences": ([*train[:2], f"data={root / 'no_sequences.npz'}"], "holds no sequences"),
+        "train heldout 0 sequences": ([*train, f"heldout={root / 'no_sequences.npz'}"], "heldout "),
+        "features 0-byte .npz": (features(root / "zero_bytes.npz"), "the file is empty"),
+        "features .npz without arrays": (features(root / "no_arrays.npz"), "lacks the array(s)"),
+        "features 0 sequences": (features(root / "no_sequences.npz"), "holds no sequences"),
+        "bench empty prompt": (
+            ["bench", "--prompts", root / "empty_prompt.jsonl"],
+            'empty_prompt.jsonl:2: "prompt" is empty',
+        ),
+        # calibrate writes a calibrated copy to --out, never into the drafter it reads or the installed package
+        "calibrate --out in the package": (
+            ["calibrate", "--data", data, "--out", Path(dspark_hf.__file__).parent / "default_drafter"],
+            "is inside",
+        ),
+        "calibrate --out = --drafter": (
+            ["calibrate", "--data", data, "--drafter", drafter, "--out", drafter, "--overwrite"],
+            "the drafter being calibrated, which is never changed in place",
+        ),
+        # a mistyped local path shaped like a Hub id (HF_HUB_OFFLINE in the tests: it cannot be fetched)
+        "export --drafter drafters/mine": (
+            ["export", "--drafter", "drafters/mine", "--out", root / "out"],
+            "--drafter drafters/mine: no such local folder, and as a Hub repo id it cannot be fetched",
+        ),
     }
 
 
@@ -138,7 +231,10 @@ CASES = sorted(cases(Path("/x"), 1))  # the case names
 
 @pytest.mark.parametrize("case", CASES)
 def test_user_errors_are_one_line_and_status_2(case, files, no_models, capsys, monkeypatch):
+    import huggingface_hub
+
     monkeypatch.delenv("DSPARK_DEBUG", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     argv, expected = cases(*files)[case]
     code, err = run(argv, capsys)
     assert code == 2, err
@@ -196,3 +292,34 @@ def test_the_installed_command_prints_no_traceback(files):
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr == "dspark-hf bench: error: --limit must be >= 1, got -1.\n"
+
+
+# argparse's own errors (types, choices, unknown commands, missing options): one line, status 2, no usage block
+ARGPARSE_CASES = {
+    "demo --max-new-tokens abc": "argument --max-new-tokens: invalid int value: 'abc'",
+    "bench --max-new-tokens abc": "argument --max-new-tokens: invalid int value: 'abc'",
+    "profile --max-tokens abc": "argument --max-tokens: invalid int value: 'abc'",
+    "serve --port abc": "argument --port: invalid int value: 'abc'",
+    "demo --drafter-dtype int8": "argument --drafter-dtype: invalid choice: 'int8'",
+    "calibrate --data x.npz --seq-len abc": "argument --seq-len: invalid int value: 'abc'",
+    "train --stop-after abc": "argument --stop-after: invalid int value: 'abc'",
+    "features --batch-size abc": "argument --batch-size: invalid int value: 'abc'",
+    "data --out x --num-prompts abc": "argument --num-prompts: invalid int value: 'abc'",
+    "export --format onnx --drafter d --out x": "argument --format: invalid choice: 'onnx'",
+    "export --out x": "the following arguments are required: --drafter",
+    "bench --no-such-option": "unrecognized arguments: --no-such-option",
+    "frobnicate": "argument command: invalid choice: 'frobnicate'",
+    "": "the following arguments are required: command",
+}
+
+
+@pytest.mark.parametrize("line", sorted(ARGPARSE_CASES))
+def test_argparse_errors_are_one_line_and_status_2(line, no_models, capsys):
+    argv = line.split()
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.endswith("\n") and err.count("\n") == 1 and "usage" not in err, err
+    prog = "dspark-hf" if not argv or argv[0] == "frobnicate" else f"dspark-hf {argv[0]}"
+    assert err.startswith(f"{prog}: error: {ARGPARSE_CASES[line]}") and err.endswith(f"(see {prog} --help)\n"), err

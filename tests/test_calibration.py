@@ -81,7 +81,7 @@ def test_collect_confidence_and_reliability_png(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 
-def test_calibrate_cli_writes_temperatures_into_the_checkpoint(tmp_path):
+def test_calibrate_cli_writes_a_calibrated_copy_to_out(tmp_path):
     import json
 
     from dspark_hf import DSparkDraftModel
@@ -92,6 +92,7 @@ def test_calibrate_cli_writes_temperatures_into_the_checkpoint(tmp_path):
     target.save_pretrained(tmp_path / "target")
     char_tokenizer(99).save_pretrained(tmp_path / "target")
     make_drafter(target, block_size=3).save_pretrained(tmp_path / "drafter")
+    original = (tmp_path / "drafter/config.json").read_bytes()
     seqs = [torch.randint(0, 99, (30,)).tolist() for _ in range(6)]
     TokenDataset.from_sequences(seqs, [2] * 6).save(tmp_path / "heldout.npz")
     code = main(
@@ -109,10 +110,14 @@ def test_calibrate_cli_writes_temperatures_into_the_checkpoint(tmp_path):
             str(tmp_path / "target"),
             "--drafter",
             str(tmp_path / "drafter"),
+            "--out",
+            str(tmp_path / "calibrated"),
         ]
     )
     assert code == 0
-    report = json.loads((tmp_path / "drafter/calibration.json").read_text())
-    drafter = DSparkDraftModel.from_pretrained(tmp_path / "drafter")
+    report = json.loads((tmp_path / "calibrated/calibration.json").read_text())
+    drafter = DSparkDraftModel.from_pretrained(tmp_path / "calibrated")
     assert drafter.config.sts_temperatures == pytest.approx(report["temperatures"])
+    assert (tmp_path / "drafter/config.json").read_bytes() == original  # the drafter it read is unchanged
+    assert not (tmp_path / "drafter/calibration.json").exists()
     assert len(report["cross_fitted"]["ece"]) == 3 and report["folds"] == 2

@@ -17,7 +17,7 @@ from transformers import (
 
 from conftest import make_drafter, make_target
 from dspark_hf import Engine
-from dspark_hf.decoding.acceptance import accept_greedy, accept_speculative_sampling
+from dspark_hf.decoding.acceptance import accept_greedy
 from dspark_hf.decoding.ragged_cache import RaggedCache
 
 
@@ -343,6 +343,40 @@ def test_stream_chunks_concatenate_to_output(target):
     assert not engine.is_running
 
 
+def test_a_request_added_after_stop_is_served_by_wait_and_stream(target):
+    """stop() leaves a restartable engine: a request added afterwards is served by wait() / stream() in the caller's
+    thread (they never block on a round nobody runs), and by the loop once it starts again."""
+    prompts = random_prompts([4, 7, 2])
+    engine = make_engine(target, "fixed")
+    engine.start()
+    assert engine.add_request(prompts[0], max_new_tokens=9).wait(timeout=60) == plain_output(target, prompts[0], 9)
+    engine.stop()
+    late = engine.add_request(prompts[1], max_new_tokens=11)
+    assert late.wait(timeout=60) == plain_output(target, prompts[1], 11) and not engine.is_running
+    streamed = engine.add_request(prompts[2], max_new_tokens=13)
+    assert sum(streamed.stream(timeout=60), []) == plain_output(target, prompts[2], 13)
+    engine.start()  # and the loop serves requests again
+    try:
+        assert engine.add_request(prompts[0], max_new_tokens=5).wait(timeout=60) == plain_output(target, prompts[0], 5)
+    finally:
+        engine.stop()
+
+
+def test_wait_on_an_engine_never_started_runs_its_rounds(target):
+    engine = make_engine(target, "threshold", max_batch_size=2)
+    prompts = random_prompts([3, 6, 5])
+    requests = [engine.add_request(p, max_new_tokens=8) for p in prompts]
+    assert [r.wait(timeout=60) for r in requests] == [plain_output(target, p, 8) for p in prompts]
+    assert not engine.has_unfinished()
+
+
+def test_empty_prompts_are_refused(target):
+    engine = make_engine(target, "fixed")
+    for empty in ([], torch.zeros(0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long), torch.tensor([[]])):
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request(empty)
+
+
 def test_abort_running_and_queued_requests(target):
     prompts = random_prompts([4, 7, 2])
     engine = make_engine(target, "fixed", max_batch_size=2)
@@ -465,16 +499,6 @@ def test_accept_greedy_ragged():
     assert accepted.tolist() == [2, 1, 2] and bonus.tolist() == [9, 0, 3]
 
 
-def test_accept_speculative_sampling_rules():
-    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
-    same = accept_speculative_sampling(p, p[:1], torch.tensor([1]))
-    assert same[0] == 1  # q == p: always accepted, the bonus comes from the next slot
-    q = torch.tensor([[0.0, 0.0, 1.0]])  # a token the target never produces: always rejected
-    for seed in range(20):
-        accepted, bonus = accept_speculative_sampling(p, q, torch.tensor([2]), torch.Generator().manual_seed(seed))
-        assert accepted == 0 and bonus in (0, 1)  # from norm(max(0, p - q)), never token 2
-
-
 # -- sampling: exactly the target's distribution per request -----------------------------------------------------
 
 
@@ -534,33 +558,75 @@ def test_sampling_matches_target_distribution_many_samples(policy, sps):
 
 @pytest.mark.slow
 def test_negative_control_accepting_every_draft_is_detected(monkeypatch):
-    """An engine that skips the rejection test must fail the same chi-square test."""
+    """An engine that skips the comparison with the target's choices must fail the same chi-square test."""
     from test_sampling import chi_square_rejects
 
     from dspark_hf.decoding import core
 
-    def accept_all(target_probs, draft_probs, draft_ids, generator=None):
-        n = draft_ids.shape[0]
-        return n, int(torch.multinomial(target_probs[n], 1, generator=generator))
+    def accept_all(draft_ids, target_ids, lengths):
+        return lengths, target_ids.gather(1, lengths[:, None])[:, 0]
 
-    monkeypatch.setattr(core, "accept_speculative_sampling", accept_all)  # the round's rule, which the Engine drives
+    monkeypatch.setattr(core, "accept_greedy", accept_all)  # the round's rule, which the Engine drives
     samples, probs, _ = sample_groups("fixed", 1500)
     rejects, stat, critical = chi_square_rejects(samples[0], probs[0])
     assert rejects, f"the test failed to notice unverified drafts (chi2 {stat:.1f} <= {critical:.1f})"
 
 
-def test_seeded_sampling_is_reproducible(target):
-    """A seed fixes a request's output, alone or in a batch (its draws depend only on its own state under the
-    fixed and threshold policies; Algorithm 1 would let the batch change ℓ_r and with it the random stream)."""
-    prompts = random_prompts([4, 6, 3])
-    runs = []
-    for batch in (prompts, prompts[:1], prompts):
-        engine = make_engine(target, "fixed")
-        requests = [engine.add_request(p, max_new_tokens=12, do_sample=True, seed=7 + i) for i, p in enumerate(batch)]
-        while engine.has_unfinished():
-            engine.step()
-        runs.append([r.output_ids for r in requests])
-    assert runs[0] == runs[2] and runs[1][0] == runs[0][0]
+def seeded_outputs(engine, prompts, seeds, gate_coin=None, **kwargs) -> list[list[int]]:
+    """Each prompt sampled once with its seed; `gate_coin` (a `random.Random`) makes the draft gate's decisions
+    random, as a machine's load makes them (its decisions are appended to `engine.coin_flips`)."""
+    if gate_coin is not None:
+        pays, engine.coin_flips = engine.decoder._drafting_pays, []
+
+        def coin():
+            if not pays():
+                return False
+            engine.coin_flips.append(gate_coin.random() < 0.5)
+            return engine.coin_flips[-1]
+
+        engine.decoder._drafting_pays = coin
+    requests = [
+        engine.add_request(p, max_new_tokens=14, do_sample=True, seed=s, **kwargs) for p, s in zip(prompts, seeds)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)])
+def test_seeded_sampling_is_reproducible(sampling):
+    """A seed fixes a request's output: the same tokens with no drafter, under every policy, with the draft gate
+    deciding at random which rounds draft, alone or beside other requests (noise keyed by seed and position)."""
+    import random
+
+    from test_sampling import setup_models
+
+    target, drafter = setup_models()  # vocabulary 4: most drafts are accepted, some rejected
+    prompts, seeds = [[1, 2, 3, 0, 1], [3, 1], [2, 2, 0, 1, 3, 1, 0]], [42, 7, 2**62 + 5]
+    reference = seeded_outputs(Engine(target), prompts, seeds, **sampling)
+    assert len({tuple(r) for r in reference}) == 3
+    for policy, coin in [("fixed", None), ("threshold", None), ("scheduler", None), ("scheduler", 1), ("fixed", 2)]:
+        gate = random.Random(coin) if coin is not None else None
+        gated = {"gate_drafts": True} if coin is not None and policy == "scheduler" else {}  # the coin decides too
+        engine = make_engine(target, policy, drafter=drafter, **gated)
+        assert seeded_outputs(engine, prompts, seeds, gate, **sampling) == reference, (policy, coin)
+        verified, accepted = engine.stats["verified_drafts"], engine.stats["accepted_drafts"]
+        assert 0 < accepted < verified
+        if coin is not None:
+            assert True in engine.coin_flips and False in engine.coin_flips
+        alone = make_engine(target, policy, drafter=drafter, max_batch_size=1)
+        assert seeded_outputs(alone, prompts[1:2], seeds[1:2], **sampling) == reference[1:2]
+    assert seeded_outputs(Engine(target), prompts[:1], [43], **sampling) != reference[:1]  # the seed matters
+
+
+def test_unseeded_requests_record_a_fresh_seed(target):
+    """Without a seed a request gets a fresh one, kept on the request: passing it again gives the same output."""
+    engine = Engine(target)
+    first, second = (engine.add_request([1, 2, 3], max_new_tokens=8, do_sample=True) for _ in range(2))
+    while engine.has_unfinished():
+        engine.step()
+    assert first.seed != second.seed and 0 <= first.seed < 2**63
+    assert engine.generate([[1, 2, 3]], max_new_tokens=8, do_sample=True, seed=first.seed) == [first.output_ids]
 
 
 # -- the ragged cache ---------------------------------------------------------------------------------------------

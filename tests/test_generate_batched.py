@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import pipeline
+from transformers import SynthIDTextWatermarkingConfig, pipeline
+from transformers.generation.streamers import BaseStreamer
 
 from conftest import make_drafter, make_target
 from dspark_hf import speculative_generate
@@ -98,6 +99,60 @@ def test_rows_stopping_on_different_stop_strings(with_eos):
     assert torch.equal(out, plain)
 
 
+class _Recorder(BaseStreamer):
+    """Every put() as (shape, values), and whether end() came."""
+
+    def __init__(self):
+        self.calls, self.ended = [], False
+
+    def put(self, value):
+        self.calls.append((tuple(value.shape), value.tolist()))
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("pad_id", [PAD, None], ids=["pad", "no pad: first EOS"])
+def test_a_batch_streamer_gets_what_plain_generate_sends(pad_id):
+    """Batch 3, rows finishing at different rounds and committing chunks of different lengths: the same put() calls
+    as plain batched generate(): the prompt (B, L), then one (B,) tensor per position, padding for finished rows."""
+    target = make_target()
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    ids, mask = left_padded(prompts)
+    long = plain_rows(target, prompts, max_new_tokens=20)
+    eos = target.generation_config.eos_token_id = [long[1][3], long[2][7]]  # rows 1 and 2 end early, differently
+    target.generation_config.pad_token_id = pad_id
+    refs = [p + r for p, r in zip(prompts, long)]
+    wrong = refs[0][:9] + [(refs[0][9] + 1) % 99] + refs[0][10:]  # row 0's drafts fail once mid-block
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), [wrong, *refs])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=20)
+    plain, assisted = _Recorder(), _Recorder()
+    target.generate(ids, streamer=plain, **kw)
+    target.generate(ids, streamer=assisted, assistant_model=drafter, **kw)
+    assert assisted.calls == plain.calls and assisted.ended
+    assert plain.calls[0] == (tuple(ids.shape), ids.tolist()) and len(plain.calls) == 1 + 20  # row 0 runs on
+    pad = eos[0] if pad_id is None else pad_id
+    for r, end in ((1, 3), (2, 7)):  # row 1 is padded after its 4th token, row 2 after its 8th
+        column = [values[r] for _, values in plain.calls[1:]]
+        assert column[: end + 1] == long[r][: end + 1] and set(column[end + 1 :]) == {pad}
+
+
+def test_a_streamer_at_batch_1_gets_each_rounds_tokens():
+    """Batch 1: the prompt (1, L), then each round's tokens as one (n,) tensor (plain sends (1,) per token); the
+    concatenation is plain's."""
+    target = make_target()
+    ids = torch.tensor([PROMPTS[1]])
+    ref = plain_rows(target, PROMPTS[1:2], max_new_tokens=17)[0]
+    drafter = pin_drafter(make_drafter(target, verify_policy="fixed"), [PROMPTS[1] + ref])
+    plain, assisted = _Recorder(), _Recorder()
+    target.generate(ids, do_sample=False, max_new_tokens=17, streamer=plain)
+    target.generate(ids, do_sample=False, max_new_tokens=17, streamer=assisted, assistant_model=drafter)
+    assert plain.calls[0] == assisted.calls[0] == ((1, len(PROMPTS[1])), ids.tolist())
+    assert plain.calls[1:] == [((1,), [token]) for token in ref]
+    assert [len(values) for _, values in assisted.calls[1:]] == [1, 5, 5, 5, 1]  # prefill, then γ + 1 a round
+    assert sum((values for _, values in assisted.calls[1:]), []) == ref and assisted.ended
+
+
 def test_explicit_custom_generate_form(target, drafter):
     ids, mask = left_padded(PROMPTS[:2])
     out = target.generate(
@@ -118,13 +173,43 @@ def test_pipeline_with_batch_size(target, drafter):
     assert out == ref
 
 
-def test_batch_dependent_processor_is_refused(target, drafter):
+# processors built with one entry per batch row (padding lengths, prompts, a batch index): each row gets its own.
+# Rows 0 and 1 hold a token plain decoding repeats (83, 14), which row 2 generates too without having it.
+ROW_PROMPTS = [[5, 17, 3, 83], [40, 2, 9, 14, 11, 7, 33, 8], [61], [12, 90, 4, 4, 71]]
+ROW_PROCESSORS = {
+    "repetition_penalty": dict(repetition_penalty=2.0),
+    "encoder_repetition_penalty": dict(encoder_repetition_penalty=3.0),
+    "encoder_no_repeat_ngram_size": dict(encoder_no_repeat_ngram_size=1),
+    "prefix_allowed_tokens_fn": dict(prefix_allowed_tokens_fn=lambda row, ids: list(range(10 * row, 10 * row + 40))),
+    "penalty, n-grams and sequence bias": dict(
+        repetition_penalty=1.5, no_repeat_ngram_size=2, sequence_bias={(5,): 4.0, (17, 3): -5.0}
+    ),
+}
+
+
+@pytest.mark.parametrize("option", sorted(ROW_PROCESSORS))
+def test_processors_with_per_row_state_on_a_left_padded_batch(target, option):
+    """Each row is processed as plain batched generate() processes it (padding included), row by row identical."""
+    ids, mask = left_padded(ROW_PROMPTS)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=PAD, **ROW_PROCESSORS[option])
+    plain = target.generate(ids, **kw)
+    assert not torch.equal(plain, target.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=PAD))
+    out = target.generate(ids, assistant_model=make_drafter(target, verify_policy="fixed"), **kw)
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(guidance_scale=1.5),
+        dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[1, 2, 3], ngram_len=3)),
+    ],
+    ids=["guidance_scale", "synthid"],
+)
+def test_processors_that_need_the_whole_batch_or_call_history_are_refused(target, drafter, option):
     ids, mask = left_padded(PROMPTS[:2])
-    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
-        target.generate(
-            ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter,
-            prefix_allowed_tokens_fn=lambda batch_id, sent: list(range(99)),
-        )  # fmt: skip
+    with pytest.raises(ValueError, match=f"`{next(iter(option))}"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter, **option)
 
 
 def test_wrong_target_is_named_before_transformers_checks(drafter):
@@ -181,3 +266,9 @@ def test_host_syncs_per_round_do_not_grow_with_block_or_batch(monkeypatch):
     counts = {(g, b): syncs_per_round(monkeypatch, g, b) for g in (4, 8) for b in (1, 3)}
     assert len({tuple(c) for c in counts.values()}) == 1, counts  # the same, whatever the block and batch size
     assert max(counts[4, 1]) <= 12, counts
+
+
+@pytest.mark.parametrize("ids", [torch.zeros(1, 0, dtype=torch.long), torch.tensor([[]])], ids=["long", "float"])
+def test_an_empty_prompt_is_a_clear_error(target, drafter, ids):
+    with pytest.raises(ValueError, match=r"at least one token; `input_ids` has shape \(1, 0\)"):
+        target.generate(ids, max_new_tokens=3, assistant_model=drafter)

@@ -219,3 +219,41 @@ def test_dflash_mode_needs_no_confidence_flag(target):
     assert DSparkConfig.for_target(target.config).confidence_with_markov
     with pytest.raises(ValueError, match="confidence_with_markov"):
         DSparkConfig.for_target(target.config, sequential_head="none", confidence_with_markov=True)
+
+
+# -- configs that name the wrong thing --------------------------------------------------------------------------------
+
+
+def test_a_mistyped_config_field_is_named(saved):
+    import json
+
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, "block_size": "4"}))
+    with pytest.raises(ValueError, match=r"Field 'block_size' expected int, got str \(value: '4'\)"):
+        DSparkDraftModel.from_pretrained(saved)
+
+
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        ("hidden_size", r"lacks the target field\(s\) \['hidden_size'\]"),
+        ("vocab_size", r"lacks the target field\(s\) \['vocab_size'\]"),
+        ("architectures", r"looks like a DeepSpec DSpark config .* lacks `architectures`"),
+    ],
+)
+def test_deepspec_configs_missing_a_field_are_named(target, tmp_path, drop, message):
+    import json
+
+    from test_conversion import deepspec_config
+
+    (tmp_path / "ds").mkdir()
+    config = {k: v for k, v in deepspec_config(target.config).items() if k != drop}
+    (tmp_path / "ds/config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        DSparkDraftModel.from_pretrained(tmp_path / "ds")
+
+
+def test_a_target_folder_as_drafter_is_named(target, tmp_path):
+    target.save_pretrained(tmp_path / "target")
+    with pytest.raises(ValueError, match="has model_type 'llama', not 'dspark'"):
+        DSparkDraftModel.from_pretrained(tmp_path / "target")

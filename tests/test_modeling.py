@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from conftest import make_drafter
 from dspark_hf import DSparkGenerationStats
+from dspark_hf.decoding.randomness import gumbel_choice, gumbel_noise
 from dspark_hf.models.heads import DSparkGatedMarkovHead, DSparkMarkovHead, DSparkRNNHead, survival_probabilities
 from helpers import sample_block
 
@@ -153,8 +154,10 @@ def test_block_sampling_returns_processed_biased_logits(target, drafter, do_samp
     prev = torch.cat([ids[:, -1:], draft.tokens[:, :-1]], dim=1)
     bias, _ = drafter.sequential_bias(prev, hidden)
     expected = (drafter.base_logits(hidden, lm_head) + bias) / 0.5
-    if do_sample:  # the distributions the drafts were drawn from, for rejection sampling
+    if do_sample:  # the distributions the drafts were drawn from, with the row's noise at their positions
         torch.testing.assert_close(draft.logits, expected)
+        noise = gumbel_noise(0, range(6, 10), expected.shape[-1], "cpu")  # sample_block's seed, positions 6..9
+        assert torch.equal(draft.tokens[0], gumbel_choice(expected[0], noise))
     else:  # greedy drafts are the argmax of the processed, biased logits
         assert torch.equal(draft.tokens, expected.argmax(-1))
     # confidence is computed before each token: its input is the previous token's Markov embedding

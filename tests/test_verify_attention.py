@@ -199,3 +199,15 @@ def test_engine_and_padded_baseline_use_it(monkeypatch):
         padded = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)
     assert torch.equal(padded, plain) and calls.count(True) == 4 * 11  # 11 padded steps, 4 layers each
     assert target.config._attn_implementation == "sdpa"
+
+
+def test_verifies_without_the_products_still_read_the_cache_unrepeated():
+    """A kernel choice that drops the few-rows products keeps the attention routed (SDPA's own GQA): that halves a
+    verify over a long cache and is never slower (docs/long_context.md)."""
+    target = sdpa_target()
+    choice = verify_head.KernelChoice()
+    choice.chosen[3] = False  # measured: the products lose at 3 rows on this machine
+    with choice.verify(target, 3):
+        assert target.config._attn_implementation == ATTN_IMPLEMENTATION
+        assert not any(type(m) is not torch.nn.Linear for m in verify_head.eligible_linears(target))
+    assert target.config._attn_implementation == "sdpa"

@@ -31,27 +31,74 @@ def _at_least(args, minimum: int, *options: str) -> None:
             _require(value >= minimum, f"--{name.replace('_', '-')} must be >= {minimum}, got {value}.")
 
 
-def _check_model_path(path, option: str, drafter: bool = False) -> None:
-    """A local model folder must exist (a drafter's must hold config.json); a name that could be a Hub repo id and
-    is not on disk is left to the Hub."""
+def _check_model_path(path, option: str, drafter: bool = False):
+    """A local model folder must exist (a drafter's must hold a valid config.json, returned as a config); a name that
+    could be a Hub repo id and is not on disk must be fetchable (its config.json, from the cache or the Hub), so a
+    mistyped local path is named before any model loads."""
     if path is None:
-        return
-    from .utils.checkpoints import check_local_folder, looks_like_hub_id
+        return None
+    from .utils.checkpoints import looks_like_hub_id
 
-    if drafter:
-        try:
-            check_local_folder(path)
-        except (OSError, ValueError) as err:
-            raise type(err)(f"{option}: {err}") from None
-    elif not Path(path).expanduser().exists() and not looks_like_hub_id(path):
-        raise FileNotFoundError(f"{option} {path}: no such folder.")
-    elif Path(path).expanduser().is_file():
-        raise ValueError(f"{option} {path} is a file; give the model's folder (config.json and weights).")
+    local = Path(path).expanduser()
+    if not local.exists() and looks_like_hub_id(path):
+        _check_hub_id(path, option)
+        return None
+    if not drafter:
+        _require(local.exists(), f"{option} {path}: no such folder.")
+        _require(not local.is_file(), f"{option} {path} is a file; give the model's folder (config.json and weights).")
+        return None
+    from .integrations.registration import read_drafter_config
+
+    try:
+        return read_drafter_config(path)
+    except (OSError, ValueError) as err:
+        raise type(err)(f"{option}: {err}") from None
+
+
+def _check_hub_id(name: str, option: str) -> None:
+    """`name` is no local path: it must be a Hub repo whose config.json can be fetched (or is cached)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(name, "config.json")
+    except Exception as err:  # offline, no such repo, no access: all mean the same to the user here
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise FileNotFoundError(
+            f"{option} {name}: no such local folder, and as a Hub repo id it cannot be fetched "
+            f"({type(err).__name__}: {reason[:160]}). Check the path; a Hub id needs the network or the local cache."
+        ) from None
 
 
 def _check_file(path, option: str) -> None:
     if path is not None and not Path(path).expanduser().is_file():
         raise FileNotFoundError(f"{option} {path}: no such file.")
+
+
+def _check_dataset(paths: str, option: str):
+    """A token dataset (one .npz, or several comma-separated) that loads and holds sequences: read here, before any
+    model loads (the files are small)."""
+    from .training.dataset import TokenDataset
+
+    for path in [p.strip() for p in paths.split(",") if p.strip()]:
+        _check_file(path, option)
+    try:
+        dataset = TokenDataset.load(paths)
+    except ValueError as err:
+        raise ValueError(f"{option}: {err}") from None
+    _require(len(dataset) > 0, f"{option} {paths} holds no sequences; build a dataset with `dspark-hf data`.")
+    return dataset
+
+
+def _check_out_folder(out, option: str, overwrite: bool, keep_out=()) -> Path:
+    """An output folder: absent or empty (or `overwrite`), and outside each of `keep_out` ((folder, why) pairs)."""
+    out = Path(out).expanduser()
+    for folder, why in keep_out:
+        folder = Path(folder).expanduser().resolve()
+        inside = out.resolve() == folder or folder in out.resolve().parents
+        _require(not inside, f"{option} {out} is inside {folder} ({why}); choose a folder outside it.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{option} {out} exists and is not an empty folder; pass --overwrite to replace it.")
+    return out
 
 
 def _drafter_dtype(args) -> torch.dtype | None:
@@ -216,13 +263,24 @@ def cmd_bench(args) -> int:
     except ValueError:
         raise ValueError(f"--latency-lengths {args.latency_lengths!r} must look like 1-16,24.") from None
     _require(all(n >= 1 for n in lengths), f"--latency-lengths {args.latency_lengths!r}: lengths must be >= 1.")
-    if not files:
+    context_lengths = None
+    if args.long_context:
+        from .evaluation.long_context import parse_context_lengths
+
+        context_lengths = parse_context_lengths(args.long_context)
+    if not files and not context_lengths:
         raise ValueError(
             "dspark-hf bench needs prompts: --prompts FILE.jsonl (repeatable) or --datasets name=FILE.jsonl,... "
-            "(see docs/evaluation.md), or --serve for the load benchmark."
+            "(see docs/evaluation.md), --long-context 256,1k,... or --serve for the load benchmark."
         )
     datasets = {name: read_prompts(path)[: args.limit] for name, path in files.items()}
     target, tokenizer, drafters = _load_drafters(args)
+    if context_lengths:
+        from .evaluation.long_context import long_context_sets
+
+        room = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+        cap = room - args.max_new_tokens - 1 if room else None
+        datasets.update(long_context_sets(tokenizer, context_lengths, args.limit or 2, cap))
     if args.verify_policy:
         for drafter in drafters.values():
             if hasattr(drafter.config, "verify_policy"):
@@ -237,12 +295,18 @@ def cmd_bench(args) -> int:
         seed=args.seed,
         latency_lengths=lengths,
         latency_new_tokens=args.latency_new_tokens,
-        padded_baseline=args.padded_baseline,
+        # long prompts: the padded baseline would add a third long prefill per prompt; ask for it explicitly
+        padded_baseline=False if context_lengths and args.padded_baseline is None else args.padded_baseline,
     )
     result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
     for name, path in files.items():
         result["datasets"][name]["path"] = str(path)
     print(format_evaluation(result))
+    if context_lengths:
+        from .evaluation.long_context import format_long_context, python_version
+
+        result["long_context"] = {"lengths": context_lengths, "python": python_version()}
+        print(format_long_context(result))
     written = []
     if args.out:
         from .evaluation.plots import plot_evaluation
@@ -375,8 +439,8 @@ def _check_training_paths(config) -> None:
     _check_model_path(config.init_drafter, "init_drafter", drafter=True)
     _check_file(config.drafter_config, "drafter_config")
     for key in ("data", "heldout"):
-        for path in [p.strip() for p in (getattr(config, key) or "").split(",") if p.strip()]:
-            _check_file(path, key)
+        if getattr(config, key):
+            _check_dataset(getattr(config, key), key)
     if config.features is not None and not Path(config.features).is_dir():
         raise FileNotFoundError(
             f"features {config.features}: no such feature cache; build it with `dspark-hf features`."
@@ -402,7 +466,6 @@ def cmd_train(args) -> int:
 
 def cmd_features(args) -> int:
     from .training.config import DSparkTrainingConfig
-    from .training.dataset import TokenDataset
     from .training.features import build_features, estimate_features
     from .training.trainer import build_drafter
 
@@ -411,12 +474,10 @@ def cmd_features(args) -> int:
     data, out = args.data or config.data, args.out or config.features
     if not data or not out:
         raise ValueError("features needs a dataset (--data or `data` in the config) and --out (or `features`).")
-    for path in [p.strip() for p in data.split(",") if p.strip()]:
-        _check_file(path, "--data")
+    dataset = _check_dataset(data, "--data")
     _check_model_path(config.target, "target")
     target = _training_target(config).eval()
     layer_ids = build_drafter(config, target).config.target_layer_ids  # the layers training will read
-    dataset = TokenDataset.load(data)
     settings = dict(dtype=args.dtype, shard_tokens=args.shard_tokens, batch_size=args.batch_size)
     if args.dry_run:
         estimate = estimate_features(target, dataset, layer_ids, sample_batches=args.sample_batches, **settings)
@@ -489,9 +550,7 @@ def cmd_export(args) -> int:
 
     _check_model_path(args.drafter, "--drafter", drafter=True)
     _check_model_path(args.target, "--target")
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise FileExistsError(f"--out {out} exists and is not an empty folder; pass --overwrite to replace it.")
+    _check_out_folder(args.out, "--out", args.overwrite)
     tokenizer = None
     if args.target is None:
         from .default import load_default_target
@@ -527,48 +586,55 @@ def cmd_export(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-
     from .models.configuration_dspark import DSparkConfig
-    from .training.calibration import calibration_report, collect_confidence, fit_sts, reliability_diagram
-    from .training.dataset import TokenDataset
+    from .training.calibration import (
+        MIN_BLOCKS,
+        calibration_report,
+        collect_confidence,
+        count_full_blocks,
+        fit_sts,
+        reliability_diagram,
+    )
     from .utils.files import atomic_write_json
 
-    args.drafter = args.drafter or str(Path(__file__).parent / "default_drafter")
+    package = Path(__file__).resolve().parent
+    drafter_path = args.drafter or str(package / "default_drafter")  # the shipped drafter is read, never written
     _at_least(args, 1, "seq_len", "batches", "anchors")
-    _check_file(args.data, "--data")
+    keep_out = [(package, "the installed dspark_hf package")]
+    if Path(drafter_path).expanduser().is_dir():
+        keep_out.append((drafter_path, "the drafter being calibrated, which is never changed in place"))
+    out = _check_out_folder(args.out, "--out", args.overwrite, keep_out)
     _check_model_path(args.target, "--target")
-    _check_model_path(args.drafter, "--drafter", drafter=True)
-    _require(
-        args.quantize is None or args.out is not None,
-        "calibrate --quantize needs --out FOLDER: the drafter recalibrated for the quantized target is written "
-        "there, and the checkpoint's own temperatures (for the full-precision target) stay as they are.",
-    )
+    config = _check_model_path(drafter_path, "--drafter", drafter=True)
+    dataset = _check_dataset(args.data, "--data")
+    block = None if config is None else config.block_size
+    if block is not None:
+        blocks = count_full_blocks(dataset, block, args.seq_len)
+        _require(blocks >= MIN_BLOCKS, _too_short(args.data, block, f"holds {blocks}"))
+    args.drafter = drafter_path
     target, _, drafter = _load(args)
     logits, labels = collect_confidence(
         drafter,
         target,
-        TokenDataset.load(args.data),
+        dataset,
         seq_len=args.seq_len,
         num_batches=args.batches,
         num_anchors=args.anchors,
         against_target=args.quantize is not None,  # the quantized target's own greedy tokens decide acceptance
     )
+    block = drafter.config.block_size
+    _require(len(labels) >= MIN_BLOCKS, _too_short(args.data, block, f"gave {len(labels)} in --batches"))
     temps = fit_sts(logits, labels)
     report = calibration_report(logits, labels, temps)
-    shipped = drafter.sts_temperatures
-    report["shipped"] = calibration_report(logits, labels, shipped, folds=0)["after"]  # the checkpoint's own T
+    report["shipped"] = calibration_report(logits, labels, drafter.sts_temperatures, folds=0)["after"]  # its own T
     report["quantize"] = args.quantize
-    folder = Path(args.drafter)
-    if args.out is not None:  # a copy of the drafter (backbone untouched) with the new temperatures
-        folder = Path(args.out)
-        drafter.config.sts_temperatures = [float(t) for t in temps]
-        drafter.save_pretrained(folder)
-    config = DSparkConfig.from_pretrained(folder)
+    _copy_checkpoint(drafter_path, out)
+    config = DSparkConfig.from_pretrained(out)
     config.sts_temperatures = [float(t) for t in temps]
-    tmp = folder / ".config.json.tmp"
+    tmp = out / ".config.json.tmp"
     config.to_json_file(tmp)
-    tmp.replace(folder / "config.json")  # atomic: the old config stays intact until the new one is complete
-    atomic_write_json(report, folder / "calibration.json")
+    tmp.replace(out / "config.json")  # atomic: the old config stays intact until the new one is complete
+    atomic_write_json(report, out / "calibration.json")
     shipped_ece, fitted_ece = (sum(report[k]["ece"]) / len(temps) for k in ("shipped", "cross_fitted"))
     print(f"mean ECE with the checkpoint's temperatures {shipped_ece:.4f} -> refitted (cross-fitted) {fitted_ece:.4f}")
     if args.png:
@@ -581,7 +647,7 @@ def cmd_calibrate(args) -> int:
             f"position {k}: T = {temps[k - 1]:.3f}  ECE {b:.4f} -> {a:.4f} (cross-fitted {crossed[k - 1]:.4f})  "
             f"AUROC {auc}"
         )
-    print(f"{report['num_blocks']} held-out blocks; temperatures written to {folder / 'config.json'}")
+    print(f"{report['num_blocks']} held-out blocks; the calibrated drafter (config.json, calibration.json): {out}")
     before, after = (sum(report[key]["ece"]) / len(crossed) for key in ("before", "cross_fitted"))
     if after >= before:
         print(
@@ -589,6 +655,31 @@ def cmd_calibrate(args) -> int:
             "the head is about as calibrated as these blocks can tell; more of them (--batches) would say more."
         )
     return 0
+
+
+def _too_short(data, block_size: int, found: str) -> str:
+    from .training.calibration import MIN_BLOCKS
+
+    return (
+        f"--data {data} is too short to calibrate: a held-out block of this block-{block_size} drafter needs "
+        f"{block_size + 1} supervised tokens in a row, and the data {found} such blocks; calibration needs at least "
+        f"{MIN_BLOCKS}. Give more (or longer) held-out sequences."
+    )
+
+
+def _copy_checkpoint(source, out: Path) -> None:
+    """The drafter checkpoint's files (a local folder, or a Hub snapshot from the cache) copied into `out`."""
+    import shutil
+
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(str(source)))
+    out.mkdir(parents=True, exist_ok=True)
+    for path in folder.iterdir():
+        if path.is_file() and not path.name.startswith("."):
+            shutil.copyfile(path, out / path.name)
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -661,8 +752,17 @@ def cmd_profile(args) -> int:
 DEBUG_HELP = "on an error, show the traceback instead of one line (also: DSPARK_DEBUG=1)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error rule: one line on stderr, exit status 2 (no usage block). Subcommand parsers are
+    made by `add_subparsers` with the parent's class, so every command's parser is one too."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dspark-hf",
         description="DSpark speculative decoding for transformers.",
         epilog="Errors are one line; --debug (or DSPARK_DEBUG=1) shows the traceback.",
@@ -708,6 +808,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSONL with "prompt", "messages" or "turns" per line, named by its file stem; repeatable',
     )
     bench.add_argument("--datasets", help="name=FILE.jsonl,... (e.g. mt-bench=mt-bench.jsonl,gsm8k=gsm8k.jsonl)")
+    bench.add_argument(
+        "--long-context",
+        metavar="LENGTHS",
+        help="also build long-prompt sets at these lengths (e.g. 256,1k,2k,4k,8k; CPython docs and source + a "
+        "question, --limit prompts each, default 2) and report τ, speed and round time per length",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each dataset")
     bench.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,1 (0 = greedy, checked lossless)")
@@ -816,15 +922,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.set_defaults(func=cmd_profile)
 
-    cal = sub.add_parser("calibrate", help="fit STS temperatures on held-out data, store them in the checkpoint")
+    cal = sub.add_parser(
+        "calibrate", help="fit STS temperatures on held-out data; write a calibrated copy of the drafter to --out"
+    )
     cal.add_argument("--data", required=True, help="held-out token dataset (.npz)")
+    cal.add_argument(
+        "--out", required=True, help="folder for the calibrated copy of the drafter (the drafter itself is unchanged)"
+    )
+    cal.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     cal.add_argument("--seq-len", type=int, default=512)
     cal.add_argument("--batches", type=int, default=8)
     cal.add_argument("--anchors", type=int, default=64)
     cal.add_argument("--png", default=None, help="write a reliability diagram here")
-    cal.add_argument(
-        "--out", default=None, help="write the recalibrated drafter here instead (needed with --quantize)"
-    )
     add_models(cal)
     cal.set_defaults(func=cmd_calibrate)
 

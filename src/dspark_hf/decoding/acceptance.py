@@ -1,10 +1,23 @@
-"""Verification rules: which drafts the target accepts and which token it adds (pure tensor functions).
+"""Verification: which drafts the target accepts and which token it adds (a pure tensor function).
 
-Greedy: accept the longest prefix where each draft equals the target's argmax, then add the target's argmax at the
-first mismatch (the bonus). Sampling (speculative sampling, DSpark paper §2.1 / §6): accept draft x_k with
-probability min(1, p_k(x_k) / q_k(x_k)), where q_k is the exact, *biased* draft distribution x_k was drawn from;
-at the first rejection draw the bonus from norm(max(0, p_k - q_k)), or from the target's next distribution when all
-drafts are accepted. Both keep the output exactly the target's own (token-identical, or identically distributed).
+One rule for greedy and sampling rows: the target *chooses* a token at every verify slot from its processed logits
+l_t there (slot j: position t = anchor + 1 + j, logits given the committed prefix and the drafts before it); accept
+the longest prefix of drafts equal to those choices, then add the choice after it (the bonus). A greedy row chooses
+argmax l_t, so its output is plain greedy decoding's. A sampling row chooses y_t = argmax(l_t + g_{s,t}), where
+g_{s,t} is standard Gumbel noise keyed only by the row's seed s and the position t (`randomness.py`).
+
+Why sampling stays exact. Induction over positions: the committed token at t is y_t computed from the committed
+prefix. (A draft is accepted only where it equals the choice, and every slot past the first mismatch is discarded,
+so each slot that commits a token was fed the committed prefix.) g_{s,t} is independent of the noise of every
+earlier position, and so of the prefix, which the earlier noise and the model determine. By the Gumbel-max property
+argmax(l + g) is distributed as softmax(l) (-inf logits are never chosen), so y_t given the prefix is exactly the
+target's processed distribution p_t. The drafts only decide in which round y_t is computed, never its value: the
+output is the very sequence plain decoding with seed s produces, under every policy, gate timing and batch.
+
+The drafter chooses its draft at t with the same noise, x_t = argmax(log q_t + g_{s,t}) (`drafting.py`), so
+P(x_t = y_t) >= (1 - TV(p_t, q_t)) / (1 + TV(p_t, q_t)) for this Gumbel coupling, against 1 - TV for rejection
+sampling (speculative sampling, DSpark paper §2.1), which would make which random draws are used depend on how many
+drafts a round verified.
 """
 
 import torch
@@ -13,11 +26,12 @@ import torch
 def accept_greedy(
     draft_ids: torch.LongTensor, target_ids: torch.LongTensor, lengths: torch.LongTensor
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Batched greedy acceptance with ragged verify lengths.
+    """Batched acceptance with ragged verify lengths: the longest prefix of drafts equal to the target's choices.
 
     draft_ids (B, W-1): drafts; row r proposes `lengths[r]` of them (the rest is padding).
-    target_ids (B, W): the target's argmax at every verify slot; slot j predicts the token after draft j (slot 0:
-    after the anchor). lengths (B,). Returns accepted draft counts (B,) and bonus tokens (B,).
+    target_ids (B, W): the target's choice at every verify slot (argmax, or the seeded Gumbel-max draw); slot j
+    predicts the token after draft j (slot 0: after the anchor). lengths (B,). Returns accepted draft counts (B,)
+    and bonus tokens (B,).
     """
     slots = torch.arange(draft_ids.shape[1], device=draft_ids.device)
     match = (draft_ids == target_ids[:, :-1]) & (slots[None] < lengths[:, None])  # (B, W-1)
@@ -26,34 +40,4 @@ def accept_greedy(
     return accepted, bonus
 
 
-def accept_speculative_sampling(
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    draft_ids: torch.LongTensor,
-    generator: torch.Generator | None = None,
-) -> tuple[int, int]:
-    """Exact rejection sampling for one request.
-
-    target_probs (n+1, V): the target's processed distributions at the n+1 verify slots; draft_probs (n, V): the
-    processed draft distributions the n drafts `draft_ids` (n,) were drawn from. Returns (accepted count, bonus).
-    """
-    n = draft_ids.shape[0]
-    if n:
-        p = target_probs[:n].gather(1, draft_ids[:, None])[:, 0]  # (n,)
-        q = draft_probs.gather(1, draft_ids[:, None])[:, 0]
-        u = torch.rand(n, device=p.device, generator=generator)
-        # accept while u < p / q (written u·q < p: no division, and q > 0 for a token that was drawn from q)
-        rejected = (u * q >= p).nonzero()
-        accepted = int(rejected[0]) if rejected.numel() else n
-    else:
-        accepted = 0
-    if accepted == n:
-        bonus_dist = target_probs[n]
-    else:
-        residual = (target_probs[accepted] - draft_probs[accepted]).clamp(min=0)
-        bonus_dist = residual if residual.sum() > 0 else target_probs[accepted]
-    bonus = torch.multinomial(bonus_dist / bonus_dist.sum(), 1, generator=generator)
-    return accepted, int(bonus)
-
-
-__all__ = ["accept_greedy", "accept_speculative_sampling"]
+__all__ = ["accept_greedy"]

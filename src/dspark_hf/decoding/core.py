@@ -11,14 +11,17 @@ every row:
   choose   the policy picks ℓ_r drafts per row (fixed / threshold / Algorithm 1), from survivals only
   verify   one target forward on (B, W = max ℓ_r + 1) tokens, [anchor, drafts] per row, over the ragged cache, with
            the CPU verify kernels scoped to this one forward where they pay (`verify_head.KernelChoice`)
-  accept   each slot's target logits processed with that slot's own prefix; greedy: the longest matching prefix
-           and the target's token after it; sampling: exact rejection sampling against the draft distribution
+  accept   each slot's target logits processed with that slot's own prefix; the target's choice at each slot
+           (argmax, or for a sampling row the Gumbel-max draw keyed by its seed and the slot's position); the longest
+           prefix of drafts equal to the choices, and the choice after it
   commit   accepted drafts + the bonus token go to each row (which clips at its stop); rejected and padding slots
            stay in the cache as masked holes, trimmed or compacted between rounds
 
-Every row's output is what the target alone produces for it: token-identical under greedy decoding, identically
-distributed under sampling, whatever else is in the batch. Host syncs per round are few and do not grow with the
-block or batch size when sampling runs to the end of the block (see docs/architecture.md).
+Every row's output is what the target alone produces for it: token-identical under greedy decoding; under sampling
+the very tokens plain decoding with the same seed produces (`acceptance.py`), so exactly the target's distribution,
+whatever else is in the batch, whatever the policy drafted and whenever the gate skipped drafting. Host syncs per
+round are few and do not grow with the block or batch size when sampling runs to the end of the block (see
+docs/architecture.md).
 """
 
 import inspect
@@ -29,7 +32,7 @@ import torch
 
 from ..kernels.verify_head import eligible_linears, kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears
-from .acceptance import accept_greedy, accept_speculative_sampling
+from .acceptance import accept_greedy
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
@@ -139,8 +142,11 @@ class SpeculativeDecoder:
         self.counts["prefills"] += 1
         column = torch.searchsorted(kept, last) if self.keeps_logits else last
         logits = out.logits.to(self.device)[torch.arange(len(rows), device=self.device), column].float()  # (n, V)
-        processed = process_logits(rows, logits[:, None])[:, 0]
-        tokens = choose_tokens(rows, processed).tolist()
+        for row in rows:
+            row.noise_device = self.device  # a row's noise is made on one device type, whoever asks for it first
+        processed = process_logits(rows, logits[:, None])
+        tokens = choose_tokens(rows, processed)[:, 0].tolist()
+        processed = processed[:, 0]
         features = self._features(out) if self.taps else None  # (n, P, m·d)
         for i, (row, token) in enumerate(zip(rows, tokens)):
             row.context = features[i, : lengths[i]] if features is not None else None  # every prompt position
@@ -188,10 +194,12 @@ class SpeculativeDecoder:
         drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
         record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
         logits, features, hidden = self._verify(drafts)
+        if record is not None:
+            record.verify_seconds = _clock(self.device) - record.start - record.seconds
         accepted, bonus, processed = self._accept(drafts, logits)
         self._commit(drafts, accepted, bonus, processed, logits, features, hidden)
         if record is not None:
-            record.accepted = sum(accepted)
+            record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)
 
     def _caps(self) -> list[int]:
@@ -255,25 +263,17 @@ class SpeculativeDecoder:
     def _accept(self, drafts: Drafts, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
         """Accepted draft count and bonus token per row, and the processed target logits (B, W, V).
 
-        Greedy rows: the longest prefix of drafts equal to the processed target argmax, then the argmax after it.
-        Sampling rows: accept x_k with probability min(1, p_k(x_k) / q_k(x_k)); the bonus from norm(max(0, p - q))
-        at the first rejection, else from the target's next distribution (`acceptance.py`).
+        choose: the target's token at every slot a row verifies, from that slot's processed logits: the argmax, or
+        for a sampling row argmax(logits + g_{seed, position}) (`choose_tokens`). accept: the longest prefix of drafts
+        equal to those choices; the bonus is the choice after it. One rule for greedy and sampling rows
+        (`acceptance.py`).
         """
         width = logits.shape[1]
         tokens = drafts.tokens[:, : width - 1].to(self.device)
         processed = process_logits(self.rows, logits, tokens)
-        lengths = torch.tensor(drafts.lengths, device=self.device)
-        accepted, bonus = accept_greedy(tokens, processed.argmax(dim=-1), lengths)
-        accepted, bonus = accepted.tolist(), bonus.tolist()
-        for i, row in enumerate(self.rows):
-            if row.do_sample:
-                n = drafts.lengths[i]
-                target_probs = torch.softmax(processed[i, : n + 1], dim=-1)  # (n + 1, V)
-                draft_probs = torch.softmax(drafts.logits[i, :n].to(self.device), dim=-1) if n else processed[i, :0]
-                accepted[i], bonus[i] = accept_speculative_sampling(
-                    target_probs, draft_probs, tokens[i, :n], row.generator
-                )
-        return accepted, bonus, processed
+        choices = choose_tokens(self.rows, processed, counts=[n + 1 for n in drafts.lengths])  # (B, W)
+        accepted, bonus = accept_greedy(tokens, choices, torch.tensor(drafts.lengths, device=self.device))
+        return accepted.tolist(), bonus.tolist(), processed
 
     def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features, hidden) -> None:
         """Append accepted drafts + bonus per row; the anchor and accepted drafts stay valid in the target cache,

@@ -2,7 +2,8 @@
 
 A candidate generator proposes drafts for every row of the batch at once and keeps the drafter's own state between
 rounds. `propose(rows, caps, policy)` returns a `core.Drafts`: the draft tokens, the processed draft logits they were
-drawn from (what rejection sampling compares against) and, where the drafter has a confidence head, the calibrated
+chosen from (argmax, or for a sampling row argmax(logits + g) with the noise g its target choice at that position
+uses, `randomness.py`) and, where the drafter has a confidence head, the calibrated
 conditional acceptance of each position examined. The policy then chooses how many to verify.
 
 - `DSparkCandidateGenerator` (DSpark, DFlash mode included): each row appends the target features it committed
@@ -93,9 +94,12 @@ class DSparkCandidateGenerator(_Generator):
         Row r appends its n_r new context entries (positions start_r .. start_r + n_r - 1, padded to the longest
         row and masked) and runs the block [anchor, mask, ...] at positions anchor_r .. anchor_r + γ - 1.
         """
-        gamma, device = self.block_size, self.device
-        n_new = torch.tensor([row.context.shape[0] for row in rows], device=device)
-        contexts = [row.context.to(device) for row in rows]
+        gamma, device, window = self.block_size, self.device, getattr(self.config, "context_window", None)
+        # a bounded window (`context_window`) sees only the last W context entries: older ones are never projected
+        contexts = [(row.context if window is None else row.context[-window:]).to(device) for row in rows]
+        n_new = torch.tensor([context.shape[0] for context in contexts], device=device)
+        if window is not None:  # the cache keeps what the window still reaches beside the new entries
+            self.cache.keep_last(window - n_new)
         context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, C, m·d), zero-padded
         width = context.shape[1]
         ctx_valid = torch.arange(width, device=device)[None] < n_new[:, None]  # (B, C)
@@ -124,10 +128,11 @@ class DSparkCandidateGenerator(_Generator):
         """Token-by-token sampling through the sequential head for all rows at once (DSpark §3.5).
 
         hidden (B, γ, d). For k = 1..K: the confidence c_k from [h_k; x_{k-1}] (before x_k exists), then x_k from
-        processors(U_k + B_k(x_{k-1})): argmax, or a draw. Row r examines `caps[r]` positions. With `early`, a policy
-        that can stop early stops before sampling position k once the survivals seen (c_k included) settle every
-        row's verify length short of it: under load Algorithm 1 often verifies 0-1 drafts per row, and the rest of
-        the block would be sampled for nothing (this reads each position's confidences back: one host sync each).
+        processors(U_k + B_k(x_{k-1})): argmax, or the row's Gumbel-max draw at x_k's position. Row r examines
+        `caps[r]` positions. With `early`, a policy that can stop early stops before sampling position k once the
+        survivals seen (c_k included) settle every row's verify length short of it: under load Algorithm 1 often
+        verifies 0-1 drafts per row, and the rest of the block would be sampled for nothing (this reads each
+        position's confidences back: one host sync each).
         """
         steps = max(caps)
         prev = torch.tensor([[row.seq[-1]] for row in rows], device=hidden.device)  # (B, 1): the anchors
@@ -158,7 +163,8 @@ class DSparkCandidateGenerator(_Generator):
             logits = process_logits(rows, logits[:, None], tokens, first=k)[:, 0]
             logits = self._draft_vocab_fallback(logits, rows, h_k, prev, state, tokens, k)
             state = next_state
-            tokens[:, k] = choose_tokens(rows, logits, live=[k < cap for cap in caps])
+            # a sampling row's draft at position t uses the noise its target choice at t will use (the coupling)
+            tokens[:, k] = choose_tokens(rows, logits[:, None], first=k, counts=[int(k < cap) for cap in caps])[:, 0]
             if logits_out is not None:
                 logits_out[:, k] = logits
             prev = tokens[:, k : k + 1]
@@ -224,6 +230,9 @@ class Eagle3CandidateGenerator(_Generator):
             def processors(ids, scores, row=row, length=length):
                 return process_logits([row], scores[:, None], ids[:, length:], first=ids.shape[1] - length)[:, 0]
 
+            def choose(ids, scores, row=row, length=length):  # argmax, or the row's Gumbel-max draw at this position
+                return choose_tokens([row], scores[:, None], first=ids.shape[1] - length)[:, 0]
+
             drafted.append(
                 self.drafter.draft(
                     seq,
@@ -233,7 +242,7 @@ class Eagle3CandidateGenerator(_Generator):
                     self.lm_head,
                     cap,
                     logits_processor=processors,
-                    do_sample=row.do_sample,
+                    choose=choose,
                 )  # fmt: skip
             )
             row.context = None

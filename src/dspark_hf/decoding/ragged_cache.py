@@ -100,6 +100,21 @@ class RaggedCache:
             self.valid = self.valid[:, :last]
             self._drop_empty_layers()
 
+    def keep_last(self, counts: torch.LongTensor) -> None:
+        """Keep only the last `counts[r]` valid slots of row r (older ones become holes), then drop the leading slots
+        that are holes in every row: a bounded window over the most recent entries (slices; no copy)."""
+        if not self.num_slots:
+            return
+        newer = self.valid.flip(1).cumsum(1).flip(1)  # (B, T): valid slots from here to the end
+        self.valid = self.valid & (newer <= counts.to(self.valid.device)[:, None])
+        used = self.valid.any(dim=0)
+        first = int(used.nonzero().min()) if bool(used.any()) else self.num_slots
+        if first:
+            layers = [(k[:, :, first:], v[:, :, first:]) for k, v in self._layers()]
+            self.cache = DynamicCache(ddp_cache_data=layers) if layers else DynamicCache()
+            self.valid = self.valid[:, first:]
+            self._drop_empty_layers()
+
     def is_right_aligned(self) -> bool:
         """True when every row is holes first, then valid tokens (no hole between two valid slots)."""
         return bool((self.valid[:, 1:] >= self.valid[:, :-1]).all())

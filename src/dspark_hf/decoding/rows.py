@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .randomness import gumbel_choice, gumbel_noise
 from .stats import DSparkGenerationStats
 
 
@@ -27,9 +28,13 @@ class Row:
     processors = None
     keeps_hidden_states = False  # whether `commit` wants the target's hidden states of each token (all layers)
 
-    def __init__(self, prompt_ids: list[int], *, do_sample: bool = False, generator=None, block_size: int = 0):
+    def __init__(self, prompt_ids: list[int], *, do_sample=False, seed: int | None = None, block_size: int = 0):
+        if do_sample and seed is None:
+            raise ValueError("A sampling row needs a seed (its noise at each position is keyed by it).")
         self.seq = list(prompt_ids)
-        self.do_sample, self.generator = do_sample, generator
+        self.do_sample, self.seed = do_sample, seed
+        self._noise: dict[int, torch.Tensor] = {}  # position -> its Gumbel noise (V,), until the position is committed
+        self.noise_device = None  # where the noise is made (the decoder sets the target's: one device type per row)
         self.finished = False
         self.context: torch.Tensor | None = None  # (n, m·d) target features not yet in the drafter's cache
         self.hint: list[float] | None = None  # conditional confidences of its last drafted round (the gate's guess)
@@ -43,6 +48,16 @@ class Row:
     def remaining(self) -> int:
         """Tokens the row may still commit (a round commits at most drafts + 1)."""
         raise NotImplementedError
+
+    def noise(self, positions: range, vocab_size: int, device) -> torch.Tensor:
+        """The row's Gumbel noise at absolute `positions`: (n, V), keyed by (seed, position) only (`randomness.py`).
+        Made once per position, on `noise_device` (else `device`): the draft and the verify of a position share it."""
+        self._noise = {t: g for t, g in self._noise.items() if t >= len(self.seq)}  # committed: never asked again
+        missing = [t for t in positions if t not in self._noise]
+        if missing:
+            made = gumbel_noise(self.seed, missing, vocab_size, self.noise_device or device)
+            self._noise.update(zip(missing, made))
+        return torch.stack([self._noise[t] for t in positions]).to(device)
 
     def processor_ids(self) -> list[int]:
         """The ids `processors` see before the drafts: the committed sequence (drivers may prepend padding)."""
@@ -63,8 +78,9 @@ class Drafts:
     """One round's drafts for all rows.
 
     tokens (B, K): drafts (K = the most any row sampled; columns past a row's own are padding); logits (B, K, V):
-    the processed draft logits they were drawn from (None when no row samples); lengths: ℓ_r to verify;
-    conditional: c_{r,k}, the calibrated conditional acceptance of the positions row r examined.
+    the processed draft logits they were chosen from, kept for inspection when a row samples (else None);
+    lengths: ℓ_r to verify; conditional: c_{r,k}, the calibrated conditional acceptance of the positions row r
+    examined.
     """
 
     tokens: torch.LongTensor
@@ -110,15 +126,18 @@ def process_logits(rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor |
     return logits
 
 
-def choose_tokens(rows: list[Row], logits: torch.Tensor, live: list[bool] | None = None) -> torch.LongTensor:
-    """Next token per row from processed logits (B, V): argmax, or a draw for sampling rows (from the row's own
-    generator, else torch's global one). Only `live` rows draw, so a row's random stream does not depend on the
-    batch."""
+def choose_tokens(rows: list[Row], logits: torch.Tensor, first: int = 0, counts: list[int] | None = None):
+    """Each row's choice from processed logits (B, S, V): slot s of row r chooses the token at absolute position
+    len(seq_r) + first + s. Greedy rows: the argmax. Sampling rows: argmax(logits + g_{seed, position}), a draw from
+    softmax(logits) whose noise depends only on the row's seed and the position (Gumbel-max), for the first
+    `counts[r]` slots (None: all); slots past them keep the argmax. Returns (B, S) on the logits' device."""
     tokens = logits.argmax(dim=-1)
     for i, row in enumerate(rows):
-        if row.do_sample and (live is None or live[i]):
-            probs = torch.softmax(logits[i], dim=-1)
-            tokens[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
+        n = logits.shape[1] if counts is None else min(counts[i], logits.shape[1])
+        if row.do_sample and n > 0:
+            start = len(row.seq) + first
+            noise = row.noise(range(start, start + n), logits.shape[-1], logits.device)
+            tokens[i, :n] = gumbel_choice(logits[i, :n], noise)
     return tokens
 
 

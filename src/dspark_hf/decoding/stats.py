@@ -119,7 +119,10 @@ class DraftRound:
 
     start: `time.perf_counter()` when drafting began; seconds: wall time of the drafting (the verify follows it);
     proposed: drafts the round verified (summed over the batch); accepted: those the target accepted (None until
-    known); first: a round before the target's first forward (transformers' own assistants draft from the prompt).
+    known); first: a round before the target's first forward (transformers' own assistants draft from the prompt);
+    verify_seconds: wall time of the target's verify pass, and end: `time.perf_counter()` when the round was
+    committed (both None where the decoder does not log them, e.g. transformers' own assistants), so a round's time
+    splits into drafting, verifying and the rest (acceptance, commit, cache bookkeeping).
     """
 
     start: float
@@ -127,6 +130,8 @@ class DraftRound:
     proposed: int
     first: bool = False
     accepted: int | None = None
+    verify_seconds: float | None = None
+    end: float | None = None
 
 
 RECORDERS: list[list[DraftRound]] = []

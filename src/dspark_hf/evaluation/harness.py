@@ -42,6 +42,7 @@ from ..utils.prompts import encode
 logger = logging.get_logger(__name__)
 
 PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain decoding, 2-row steps)
+WARMUP_TOKENS = 256  # the warm-up decodes this much of the first prompt
 
 
 def generation_kwargs(temperature: float) -> dict:
@@ -63,15 +64,23 @@ def stats_from_rounds(rounds) -> DSparkGenerationStats:
     return stats
 
 
+class RoundLog(list):
+    """The `DraftRound`s of one generate(), and `prefill_seconds`: from the call to the first round's start (the
+    prompt's prefill and setup), where this package's decoder logged verify timings; else None."""
+
+    prefill_seconds: float | None = None
+
+
 def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False):
-    """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds); `padded`: plain
-    decoding with 2-row steps (`verify_head.padded_steps`)."""
+    """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`);
+    `padded`: plain decoding with 2-row steps (`verify_head.padded_steps`)."""
     if temperature:
         torch.manual_seed(seed)
     if hasattr(assistant, "generation_stats"):
         assistant.generation_stats = None  # never read the previous call's
     steps = verify_head.padded_steps(target) if padded else contextlib.nullcontext()
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
+        called = time.perf_counter()
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **generation_kwargs(temperature))
     if own:  # one of transformers' assistants: its last round's acceptance shows only in the output's length
         own[-1].accepted = max(0, min(own[-1].proposed, ids.shape[1] + out.numel() - own.input_lengths[-1] - 1))
@@ -81,7 +90,10 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
         stats = getattr(assistant, "generation_stats", None)
         stats = stats_from_rounds(rounds) if stats is None else stats
         stats.num_prompt_tokens, stats.num_new_tokens = ids.shape[1], out.numel()
-    return out.cpu(), seconds, stats, list(rounds)
+    log = RoundLog(rounds)
+    if log and log[0].verify_seconds is not None:
+        log.prefill_seconds = log[0].start - called
+    return out.cpu(), seconds, stats, log
 
 
 class _AssistantRounds(list):
@@ -151,6 +163,33 @@ def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds else 0.0
 
 
+def round_breakdown(round_lists) -> dict | None:
+    """Where a round's time goes, mean ms per round over the logged rounds of this package's decoders: `draft` (the
+    gate and the draft pass with its sampling), `verify` (the target's forward), `bookkeeping` (acceptance, commit,
+    cache trimming) and `round` (all three), plus `rounds` counted and `drafted` (rounds that drafted). None when the
+    rounds carry no verify timings (transformers' own assistants)."""
+    rounds = [r for rs in round_lists for r in rs if r.verify_seconds is not None and r.end is not None]
+    if not rounds:
+        return None
+    draft = statistics.fmean(1e3 * r.seconds for r in rounds)
+    verify = statistics.fmean(1e3 * r.verify_seconds for r in rounds)
+    whole = statistics.fmean(1e3 * (r.end - r.start) for r in rounds)
+    return {
+        "draft": draft,
+        "verify": verify,
+        "bookkeeping": whole - draft - verify,
+        "round": whole,
+        "rounds": len(rounds),
+        "drafted": sum(1 for r in rounds if r.proposed),
+    }
+
+
+def _decode_phase(decoded, prefills) -> tuple[int, float]:
+    """(tokens after the first, seconds after the prefill) summed over prompts: the decoding phase alone."""
+    tokens = sum(max(d[0].numel() - 1, 0) for d in decoded)
+    return tokens, sum(max(d[1] - p, 0.0) for d, p in zip(decoded, prefills))
+
+
 def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None) -> dict:
     """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes."""
     stats = [s for _, _, s, _ in decoded]
@@ -211,7 +250,27 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "draft_ms_per_round": statistics.fmean(draft_ms) if draft_ms else None,
         "draft_ms_per_round_median": statistics.median(draft_ms) if draft_ms else None,
         "draft_fraction": sum(draft_ms) / 1e3 / seconds if seconds else 0.0,
+        "round_ms": round_breakdown(d[3] for d in decoded),
+        **_decode_phase_entry(decoded, plain),
         "per_prompt": per_prompt,
+    }
+
+
+def _decode_phase_entry(decoded, plain) -> dict:
+    """The decoding phase without the prompt's prefill, which costs the same with and without a drafter (long prompts
+    spend most of a short generate() there): the plain step's mean ms and the speedup over plain decoding. Each
+    prompt's prefill is the drafted run's (`RoundLog.prefill_seconds`; its one target forward is plain decoding's
+    prefill with the hidden states kept), so the plain run is charged the same. Empty where it was not logged."""
+    prefills = [d[3].prefill_seconds if isinstance(d[3], RoundLog) else None for d in decoded]
+    if not prefills or None in prefills:
+        return {}
+    plain_tokens, plain_seconds = _decode_phase(plain, prefills)
+    tokens, seconds = _decode_phase(decoded, prefills)
+    plain_tps, tps = _rate(plain_tokens, plain_seconds), _rate(tokens, seconds)
+    return {
+        "prefill_seconds": statistics.fmean(prefills),
+        "plain_step_ms": 1e3 * plain_seconds / plain_tokens if plain_tokens else None,
+        "decode_speedup": tps / plain_tps if plain_tps else None,
     }
 
 
@@ -371,11 +430,12 @@ def run_evaluation(
         padded_baseline = verify_head.version(target) > 0
     encoded = {name: [encode(tokenizer, r) for r in records] for name, records in datasets.items()}
     first = next(iter(encoded.values()))[0]
+    warm = first[:, :WARMUP_TOKENS]  # a long prompt's prefill would only cost time here
     for assistant in (None, *drafters.values()):  # warm-up of every path
-        timed_generate(target, first, 4, assistant)
+        timed_generate(target, warm, 4, assistant)
     modes = [None, *drafters]  # None: plain decoding
     if padded_baseline:
-        _decode(target, first, 4, None, 0.0, 0, padded=True)
+        _decode(target, warm, 4, None, 0.0, 0, padded=True)
         modes.insert(1, PADDED)
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
     for name, prompts in encoded.items():
@@ -568,6 +628,7 @@ def run_bench(target, tokenizer, drafter, records, max_new_tokens=128, progress=
 
 
 __all__ = [
+    "round_breakdown",
     "run_bench",
     "fixed_draft_length",
     "format_evaluation",

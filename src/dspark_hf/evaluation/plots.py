@@ -3,6 +3,7 @@
 acceptance_by_position.png   conditional acceptance per block position, one panel per dataset
 tau_vs_draft_length.png      τ had verification stopped after L drafts (from those rates), one panel per dataset
 latency_vs_block_length.png  median drafting and whole-round time per round against the draft length
+long_context.png             τ, speed against plain and a round's ms against the prompt length (`--long-context`)
 Colours are drafters; solid lines T = 0, dashed T > 0.
 """
 
@@ -89,6 +90,78 @@ def _latency(plt, result, path):
     plt.close(fig)
 
 
+def context_rows(result: dict) -> list[dict]:
+    """One row per long-context set × drafter of a greedy `run_evaluation` result, in length order: the numbers
+    `long_context.format_long_context` and `plot_long_context` show (`prompt_tokens` is the mean real length)."""
+    rows = []
+    for run in result["runs"]:
+        if run["temperature"] != 0 or not run["dataset"].startswith("ctx-"):
+            continue
+        round_ms = run.get("round_ms") or {}
+        plain_step = run.get("plain_step_ms")
+        rows.append(
+            {
+                "dataset": run["dataset"],
+                "drafter": run["drafter"],
+                "prompt_tokens": sum(p["prompt_tokens"] for p in run["per_prompt"]) / len(run["per_prompt"]),
+                "identical": run["all_identical"],
+                "tau": run["acceptance_length"],
+                "acceptance_1": run["per_position_acceptance"][0],
+                "plain_tps": run["tokens_per_second_plain"],
+                "speedup": run["speedup"],
+                "decode_speedup": run.get("decode_speedup"),
+                "draft_ms": round_ms.get("draft"),
+                "verify_ms": round_ms.get("verify"),
+                "bookkeeping_ms": round_ms.get("bookkeeping"),
+                "round_ms": round_ms.get("round"),
+                "drafted_rounds": f"{round_ms.get('drafted', 0)}/{round_ms.get('rounds', 0)}",
+                "plain_step_ms": plain_step,
+                "verify_vs_plain": round_ms["verify"] / plain_step if plain_step and round_ms else None,
+            }
+        )
+    return sorted(rows, key=lambda r: (r["drafter"], r["prompt_tokens"]))
+
+
+def plot_long_context(result: dict, path) -> Path:
+    """`long_context.png`: τ, speed against plain and a round's ms (draft, verify, the rest; one plain step dotted)
+    against the prompt's length, one colour per drafter (`long_context.context_rows`)."""
+    plt = _pyplot()
+    rows = context_rows(result)
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.8))
+    for i, label in enumerate(dict.fromkeys(r["drafter"] for r in rows)):
+        mine = [r for r in rows if r["drafter"] == label]
+        xs = [r["prompt_tokens"] for r in mine]
+        colour = f"C{i}"
+        axes[0].plot(xs, [r["tau"] for r in mine], "-o", ms=3, color=colour, label=f"{label} τ")
+        axes[0].plot(xs, [r["acceptance_1"] for r in mine], ":o", ms=3, color=colour, label=f"{label} acc@1")
+        axes[1].plot(xs, [r["speedup"] for r in mine], "-o", ms=3, color=colour, label=f"{label} generate()")
+        if all(r["decode_speedup"] is not None for r in mine):
+            axes[1].plot(xs, [r["decode_speedup"] for r in mine], "--o", ms=3, color=colour, label=f"{label} decoding")
+        for key, style in (("round_ms", "-"), ("verify_ms", "--"), ("draft_ms", "-.")):
+            if all(r[key] is not None for r in mine):
+                axes[2].plot(xs, [r[key] for r in mine], style, marker="o", ms=3, color=colour,
+                             label=f"{label} {key[:-3]}")  # fmt: skip
+    plain = sorted({(r["prompt_tokens"], r["plain_step_ms"]) for r in rows if r["plain_step_ms"] is not None})
+    if plain:
+        axes[2].plot(*zip(*plain), ":s", ms=3, color="k", label="plain step")
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    titles = ("acceptance", "speed against plain", "ms per round")
+    ylabels = ("τ / acceptance at position 1", "speedup (x)", "ms (mean)")
+    for ax, title, ylabel in zip(axes, titles, ylabels):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=6)
+    axes[2].set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_evaluation(result: dict, out_dir) -> list[Path]:
     """Write the three PNGs into `out_dir` (created if needed); returns their paths."""
     plt = _pyplot()
@@ -98,7 +171,9 @@ def plot_evaluation(result: dict, out_dir) -> list[Path]:
     _per_dataset(plt, result, "per_position_acceptance", "conditional acceptance", paths[0])
     _per_dataset(plt, result, "acceptance_length_by_draft_length", "τ (tokens per target forward)", paths[1])
     _latency(plt, result, paths[2])
+    if any(run["dataset"].startswith("ctx-") for run in result["runs"]):
+        paths.append(plot_long_context(result, out_dir / "long_context.png"))
     return paths
 
 
-__all__ = ["PLOT_FILES", "plot_evaluation"]
+__all__ = ["PLOT_FILES", "context_rows", "plot_evaluation", "plot_long_context"]

@@ -61,7 +61,7 @@ from transformers.utils import logging
 from ..models.configuration_dspark import _GEMMA4_FAMILIES, DSparkConfig
 from ..models.modeling_dspark import DSparkDraftModel
 from ..utils.checkpoints import check_checkpoint_files, read_config_file
-from .export import write_folder
+from .export import window_blockers, write_folder
 
 
 logger = logging.get_logger(__name__)
@@ -99,6 +99,8 @@ _EXTRA_FIELDS = (
     "target_chat_template_hash",
 )
 _PREFIXES = ("_orig_mod.", "model.")
+# target fields a DeepSpec config.json must carry: without them the rebuilt target config takes its family's defaults
+_TARGET_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")
 # `revision`, `local_files_only`, `cache_dir` and `token` only matter while resolving a Hub id
 # (`resolve_deepspec_folder`).
 _LOAD_KWARGS = (
@@ -199,6 +201,12 @@ def dspark_config_from_deepspec(config: dict) -> DSparkConfig:
             f"model_type={config.get('model_type')!r})."
         )
     _require(config, "num_target_layers", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id")
+    missing = [name for name in _TARGET_FIELDS if name not in config]
+    if missing:
+        raise ValueError(
+            f"DeepSpec config lacks the target field(s) {missing}, which size the draft layers and the vocabulary; "
+            "DeepSpec copies them from the target's config.json: copy them back."
+        )
     _require(config, "markov_rank", "enable_confidence_head")
     rank = int(config["markov_rank"])
     if rank > 0:
@@ -390,6 +398,7 @@ def _check_exportable_gemma4(config: DSparkConfig) -> None:
         reasons.append("it learns a mask embedding (`mask_token_id=None`); DeepSpec needs a vocabulary mask token")
     if config.mlp_bias:
         reasons.append("its MLP has biases (`mlp_bias=True`); Gemma-4's has none")
+    reasons += [f"`{field}` = {reason}" for field, reason in window_blockers(config)]
     if reasons:
         raise ValueError(
             "This drafter has no DeepSpec (Gemma4DSparkModel) equivalent: " + "; ".join(reasons) + ". Build it with "
@@ -420,6 +429,7 @@ def _check_exportable(drafter: DSparkDraftModel, target) -> None:
         reasons.append("it learns a mask embedding (`mask_token_id=None`); DeepSpec needs a vocabulary mask token")
     if config.mlp_bias:
         reasons.append("its MLP has biases (`mlp_bias=True`); Qwen3's has none")
+    reasons += [f"`{field}` = {reason}" for field, reason in window_blockers(config)]
     if reasons:
         raise ValueError(
             "This drafter has no DeepSpec (Qwen3DSparkModel) equivalent: " + "; ".join(reasons) + ". Weights cannot "

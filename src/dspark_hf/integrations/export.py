@@ -41,7 +41,23 @@ def export_blockers(config: DSparkConfig) -> list[tuple[str, str]]:
         )
     if config.mlp_bias:
         out.append(("mlp_bias", "its MLP has biases (`mlp_bias=True`); Qwen3's has none"))
+    out += window_blockers(config)
     return out
+
+
+def window_blockers(config: DSparkConfig) -> list[tuple[str, str]]:
+    """The bounded context window (`context_window`), which no engine's DSpark draft layer applies: they attend to
+    the whole context, so an exported drafter would draft from another distribution than it was measured with."""
+    if getattr(config, "context_window", None) is None:
+        return []
+    return [
+        (
+            "context_window",
+            f"{config.context_window}: the engines' draft layer attends to the whole context; set "
+            "`drafter.config.context_window = None` before exporting if the drafter was trained without a window "
+            "(acceptance on long prompts may then drop)",
+        )
+    ]
 
 
 def check_exportable(config: DSparkConfig, engine: str) -> None:
@@ -82,4 +98,4 @@ def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-__all__ = ["check_exportable", "export_blockers", "write_folder", "write_json"]
+__all__ = ["check_exportable", "export_blockers", "window_blockers", "write_folder", "write_json"]

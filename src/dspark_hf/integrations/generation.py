@@ -14,9 +14,11 @@ goes to transformers untouched. Pipelines call `model.generate(..., assistant_mo
 `generate(model, ...)` is the same routing as a function, for the Hub `custom_generate/` folder.
 """
 
+import copy
 import functools
 
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -57,8 +59,8 @@ class _GenerateRow(Row):
     checked on the token list; any other criterion (stop strings, user criteria) is asked token by token.
     """
 
-    def __init__(self, padding, prompt, *, processors, others, eos, max_length, do_sample, keep, streamer, block_size):
-        super().__init__(prompt, do_sample=do_sample, block_size=block_size)
+    def __init__(self, padding, prompt, *, processors, others, eos, max_length, seed, keep, block_size):
+        super().__init__(prompt, do_sample=seed is not None, seed=seed, block_size=block_size)
         self.padding, self.others, self.eos, self.max_length = padding, others, eos, max_length
         self.processors = processors
         self.limit: int | None = None  # set when the batch's length is known and this row must reach it
@@ -67,7 +69,6 @@ class _GenerateRow(Row):
         # per new token, as generate() returns them: processed (`output_scores`) and raw (`output_logits`) logits
         self.kept: dict[str, list[torch.Tensor]] = {name: [] for name in keep}
         self.keeps_hidden_states = "hidden_states" in keep  # (layers + 1, positions, d) per token
-        self.streamer = streamer
 
     @property
     def length(self) -> int:
@@ -101,9 +102,33 @@ class _GenerateRow(Row):
         for name, values in (("scores", scores), ("logits", logits), ("hidden_states", hidden_states)):
             if name in self.kept and values is not None:
                 self.kept[name] += [value.clone() for value in values[:taken]]
-        if self.streamer is not None and new:
-            self.streamer.put(torch.tensor(new))
         return taken
+
+
+class _Streaming:
+    """What plain `generate()` hands a streamer: the prompt (B, L) first (the caller puts it), then one (B,) tensor
+    per generated position, the pad id for rows that have finished. Rows commit different numbers of tokens per
+    round, so a position goes out once every unfinished row has it. At batch 1 a round's new tokens go out together,
+    as one (n,) tensor (streamers for batch 1 read any number of tokens per call)."""
+
+    def __init__(self, streamer, rows: list[_GenerateRow], pad: int):
+        self.streamer, self.rows, self.pad = streamer, rows, pad
+        self.sent = 0  # positions handed out
+
+    def release(self) -> None:
+        """Put every position that no row can still change (call after a round, and once all rows are done)."""
+        lengths = [len(row.output) for row in self.rows]
+        ready = min((n for n, row in zip(lengths, self.rows) if not row.finished), default=max(lengths))
+        if ready <= self.sent:
+            return
+        if len(self.rows) == 1:
+            self.streamer.put(torch.tensor(self.rows[0].output[self.sent : ready]))
+        else:
+            for t in range(self.sent, ready):
+                self.streamer.put(
+                    torch.tensor([row.output[t] if t < n else self.pad for row, n in zip(self.rows, lengths)])
+                )
+        self.sent = ready
 
 
 def _split_stopping(stopping_criteria) -> tuple[set[int], int | None, StoppingCriteriaList | None]:
@@ -145,23 +170,56 @@ def _check_call(model, generation_config, model_kwargs) -> None:
         )
 
 
-# processors that need the whole batch, or a batch index, in one call; rows here are processed one by one
+# processors that need the whole batch in one call; rows here are processed one by one
 _BATCH_PROCESSORS = {
-    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
     "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    # keeps per-call state (the contexts of earlier calls), which verifying several positions at once would corrupt
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config (SynthID)",
 }
 
 
-def _check_processors(processors, batch_size: int) -> None:
+def _check_processors(processors) -> None:
     for processor in processors or []:
         option = _BATCH_PROCESSORS.get(type(processor).__name__)
-        if option == "guidance_scale" or (option is not None and batch_size > 1):
+        if option is not None:
             raise ValueError(
-                f"Speculative decoding with a DSpark drafter processes each row's logits on their own, which "
-                f"`{option}` does not allow{' at batch size > 1' if option != 'guidance_scale' else ''}; drop it, "
-                "or decode without the drafter."
+                f"Speculative decoding with a DSpark drafter processes each row's logits position by position, "
+                f"which `{option}` does not allow; drop it, or decode without the drafter."
             )
+
+
+def _row_processors(processors, index: int):
+    """The logits processors as row `index` alone sees them, called with a batch of one (its own prefix).
+
+    Processors built with one entry per batch row (`utils.compat.PRIVATE_API`) get a copy holding row `index`'s
+    entry: the repetition penalty's padding length, the encoder-side penalties' prompt, a prefix constraint's batch
+    index. Every other processor is shared as it is (they read only the ids they are called with).
+    """
+    if processors is None:
+        return None
+    out = LogitsProcessorList()
+    for processor in processors:
+        name = type(processor).__name__
+        if name == "RepetitionPenaltyLogitsProcessor" and isinstance(processor.prompt_ignore_length, torch.Tensor):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[index : index + 1]
+        elif name == "EncoderRepetitionPenaltyLogitsProcessor":
+            processor = copy.copy(processor)
+            processor.encoder_input_ids = processor.encoder_input_ids[index : index + 1]
+        elif name == "EncoderNoRepeatNGramLogitsProcessor":
+            processor = copy.copy(processor)
+            processor.generated_ngrams, processor.batch_size = processor.generated_ngrams[index : index + 1], 1
+        elif name == "PrefixConstrainedLogitsProcessor":
+            allowed = processor._prefix_allowed_tokens_fn
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = functools.partial(_allowed_for_row, allowed, index)
+        out.append(processor)
+    return out
+
+
+def _allowed_for_row(allowed, index: int, batch_id: int, sent):
+    return allowed(index, sent)  # called on a batch of one: batch_id is 0, the row is `index` of the real batch
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[list[int], list[int]]]:
@@ -203,7 +261,9 @@ def speculative_generate(
     `return_dict_in_generate` (`scores` / `logits` per new token: the target's processed / raw logits;
     `hidden_states`: every layer's, of the forward that chose the token; rows that have finished get zeros;
     `output_attentions` is refused: verifies attend over a cache with holes, not plain decoding's).
-    `token_streamer`: a streamer for batch 1; `target_tokenizer` checks the pairing;
+    Sampling draws one seed per row from torch's global RNG (`torch.manual_seed` before the call reproduces it); a
+    row's tokens then depend only on its seed and prompt, not on the policy, the batch or the machine's load.
+    `token_streamer`: gets what plain decoding's streamer gets (`_Streaming`); `target_tokenizer` checks the pairing;
     `verify_policy` overrides the drafter's. The drafter's `generation_stats` holds the call's statistics.
     """
     if not is_drafter(drafter):
@@ -211,12 +271,17 @@ def speculative_generate(
             "speculative_generate needs `drafter=` one of this package's drafters (DSpark or EAGLE-3), got "
             f"{type(drafter).__name__}."
         )
+    if input_ids.shape[-1] == 0:
+        raise ValueError(
+            f"generate() with a DSpark drafter needs a prompt of at least one token; `input_ids` has shape "
+            f"{tuple(input_ids.shape)} (an empty string encodes to no tokens). Give some text, or start from BOS."
+        )
     _check_call(model, generation_config, model_kwargs)
     drafter.config.check_target(model.config, target_tokenizer)
     eos, max_length, others = _split_stopping(stopping_criteria)
     max_length = generation_config.max_length if max_length is None else max_length
     processors = logits_processor if logits_processor is not None and len(logits_processor) else None
-    _check_processors(processors, input_ids.shape[0])
+    _check_processors(processors)
     keep = [
         name
         for name in ("scores", "logits", "hidden_states")
@@ -224,30 +289,38 @@ def speculative_generate(
     ]
     if token_streamer is not None:
         token_streamer.put(input_ids.cpu())
+    prompts = _prompts(input_ids, model_kwargs.get("attention_mask"))
+    # sampling: one seed per row from torch's global RNG, so `torch.manual_seed(n)` before generate() reproduces
+    seeds = [None] * len(prompts)
+    if generation_config.do_sample:
+        seeds = torch.randint(0, 2**63 - 1, (len(prompts),)).tolist()
     rows = [
         _GenerateRow(
             padding,
             prompt,
-            processors=processors,
+            processors=_row_processors(processors, index),
             others=others,
             eos=eos,
             max_length=max_length,
-            do_sample=bool(generation_config.do_sample),
+            seed=seed,
             keep=keep,
-            streamer=token_streamer,
             block_size=drafter.config.block_size,
         )  # fmt: skip
-        for padding, prompt in _prompts(input_ids, model_kwargs.get("attention_mask"))
+        for index, ((padding, prompt), seed) in enumerate(zip(prompts, seeds))
     ]
     policy = VerifyPolicy.for_drafter(drafter, model, verify_policy, max_rows=len(rows))
     decoder = SpeculativeDecoder(model, drafter, policy=policy)
+    streaming = None if token_streamer is None else _Streaming(token_streamer, rows, _pad_id(generation_config, eos))
     decoder.prefill(rows)
     while decoder.rows:
+        if streaming is not None:
+            streaming.release()
         decoder.step()
         decoder.retire()
         if not eos:  # plain decoding pads nothing without EOS: a stopped row decodes on until every row stopped
             _settle_length(rows, decoder)
-    if token_streamer is not None:
+    if streaming is not None:
+        streaming.release()
         token_streamer.end()
     drafter.generation_stats = functools.reduce(
         DSparkGenerationStats.merge, [row.stats for row in rows[1:]], rows[0].stats
@@ -270,11 +343,19 @@ def _settle_length(rows: list[_GenerateRow], decoder: SpeculativeDecoder) -> Non
     decoder.retire()
 
 
-def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int]):
-    """`generate()`'s return value: every row padded to the longest (with the pad id, else the first EOS id)."""
+def _pad_id(generation_config, eos: set[int]) -> int:
+    """What finished rows are padded with, as plain decoding pads them: the pad id, else the first EOS id."""
     pad = generation_config.pad_token_id
-    pad = (min(eos) if eos else 0) if pad is None else pad
-    pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    if pad is None:
+        pad = generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, (list, tuple)) and pad else pad
+        pad = (min(eos) if eos else 0) if pad is None or isinstance(pad, (list, tuple)) else pad
+    return pad[0] if isinstance(pad, (list, tuple)) else pad
+
+
+def _output(input_ids, rows: list[_GenerateRow], generation_config, eos: set[int]):
+    """`generate()`'s return value: every row padded to the longest (`_pad_id`)."""
+    pad = _pad_id(generation_config, eos)
     width = max(len(row.output) for row in rows)
     new = torch.tensor([row.output + [pad] * (width - len(row.output)) for row in rows], device=input_ids.device)
     sequences = torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)

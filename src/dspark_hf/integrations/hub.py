@@ -116,6 +116,9 @@ def model_card(
         f"- STS temperatures: {[round(t, 3) for t in config.sts_temperatures]}",
         "",
     ]
+    if getattr(config, "context_window", None) is not None:
+        lines.insert(-1, f"- context window: {config.context_window} (each block attends to the target features of "
+                     f"the {config.context_window} positions before its anchor)")  # fmt: skip
     if results:
         padded = any(r.get("speedup_vs_padded") is not None for r in results.values())
         lines += [

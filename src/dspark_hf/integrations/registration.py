@@ -15,6 +15,7 @@ applies; load DeepSpec checkpoints with this package imported.
 """
 
 import functools
+from pathlib import Path
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -51,6 +52,28 @@ def _read_deepspec(path, model_args, kwargs):
 
     folder = resolve_deepspec_folder(path, kwargs)
     return None if folder is None else _load_deepspec_as_drafter(path, folder, model_args, kwargs)
+
+
+def read_drafter_config(path, subfolder: str = ""):
+    """The config of a local drafter checkpoint, read without its weights: ours (DSpark, EAGLE-3) or DeepSpec's,
+    converted. A missing folder, a corrupt or mistyped config.json, a DeepSpec config lacking a field, or a folder
+    that is no drafter's (a target's) is an OSError / ValueError naming it. None for a name only the Hub can
+    resolve."""
+    from ..utils.checkpoints import check_local_folder, check_model_type, read_config_file
+    from .deepspec import dspark_config_from_deepspec, is_deepspec_config
+
+    check_local_folder(path, subfolder)
+    folder = Path(path).expanduser() / subfolder
+    if not folder.is_dir():
+        return None
+    config = read_config_file(folder / "config.json")
+    if is_deepspec_config(config):
+        return dspark_config_from_deepspec(config)
+    for config_class in (DSparkConfig, Eagle3Config):
+        if config.get("model_type") == config_class.model_type:
+            return config_class.from_dict(config)
+    check_model_type(folder, DSparkConfig.model_type)  # raises, naming what the folder holds instead
+    return None
 
 
 def _route_deepspec(auto_class, handler) -> None:

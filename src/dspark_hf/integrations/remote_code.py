@@ -37,6 +37,7 @@ MODULES = (
     "models.modeling_dspark",
     "models.modeling_eagle3",
     "decoding.stats",
+    "decoding.randomness",
     "decoding.acceptance",
     "decoding.scheduler",
     "decoding.ragged_cache",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import logging
 
@@ -196,6 +197,18 @@ class DrafterConfig(PreTrainedConfig):
         self.validate_architecture()
         super().__post_init__(**kwargs)
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        """`PreTrainedConfig.from_dict` (what `from_pretrained` reads a config.json with); a field of the wrong type
+        (`"block_size": "4"`) is a `ValueError` naming the field and the type it needs."""
+        try:
+            return super().from_dict(config_dict, **kwargs)
+        except StrictDataclassError as err:
+            cause = err.__cause__ if err.__cause__ is not None else err
+            raise ValueError(
+                f"Invalid {cls.__name__} (config.json): {' '.join(str(cause).split())}; correct that field."
+            ) from None
+
     def validate_architecture(self):
         """Checks the shared fields and raises `ValueError` naming the bad value and the fix."""
         if self.block_size < 1:
@@ -356,6 +369,11 @@ class DSparkConfig(DrafterConfig):
             `draft_vocab_ids` buffer of the checkpoint, set with `DSparkDraftModel.set_draft_vocab`), so the LM head
             and the sequential head compute N columns. Verification stays exact: a token outside them is simply
             never drafted.
+        context_window (`int`, *optional*): a block anchored at position a attends to the target features of the
+            `context_window` positions before it (a - W .. a - 1) and no further, in training and in decoding, so
+            the draft pass's cost and behaviour stop depending on the prompt's length (the drafter cache keeps only
+            that many entries). None: the whole context, as DeepSpec and DFlash train and the engines serve.
+            Deviation from DeepSpec: the engines' draft layer has no such window, so export refuses it.
     """
 
     model_type = "dspark"
@@ -373,6 +391,7 @@ class DSparkConfig(DrafterConfig):
     draft_vocab_size: int = 0
     draft_layer: str = "llama"
     attention_k_eq_v: bool = False
+    context_window: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.sts_temperatures is None:
@@ -422,6 +441,11 @@ class DSparkConfig(DrafterConfig):
             raise ValueError(
                 f"`draft_vocab_size` must lie in [0, vocab_size={self.vocab_size}] (0: the whole vocabulary), "
                 f"got {self.draft_vocab_size}."
+            )
+        if self.context_window is not None and (isinstance(self.context_window, bool) or self.context_window < 1):
+            raise ValueError(
+                f"`context_window` must be a number of context positions >= 1, or None for the whole context; got "
+                f"{self.context_window!r}."
             )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(

@@ -105,11 +105,12 @@ class DrafterMixin:
 
         Pass `target=` (and `tokenizer=`) to check at load time that the drafter was made for that target.
         """
-        from ..utils.checkpoints import check_checkpoint_files, raise_on_incomplete_load
+        from ..utils.checkpoints import check_checkpoint_files, check_model_type, raise_on_incomplete_load
 
         target, tokenizer = kwargs.pop("target", None), kwargs.pop("tokenizer", None)
         if kwargs.get("use_safetensors") is False:
             raise ValueError("DSpark drafters load from safetensors only; drop `use_safetensors=False`.")
+        check_model_type(pretrained_model_name_or_path, cls.config_class.model_type, kwargs.get("subfolder") or "")
         check_checkpoint_files(pretrained_model_name_or_path, kwargs)
         kwargs["use_safetensors"] = True
         want_info = kwargs.pop("output_loading_info", False)

@@ -204,7 +204,7 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
         lm_head: nn.Module,
         num_tokens: int,
         logits_processor: Callable | None = None,
-        do_sample: bool = False,
+        choose: Callable | None = None,
         key_mask: torch.Tensor | None = None,
     ) -> DSparkBlockDraft:
         """Drafts `num_tokens` tokens after `sequence_ids` in `num_tokens` forwards (one when `num_tokens` is 0).
@@ -214,7 +214,8 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
         positions P - 1 .. L - 2, the ones the target computed since the last call. The first forward appends
         entries P..L-1 and predicts x_{L}; each further one feeds the last draft and its own output back. Afterwards
         the cache keeps entries 0..L-1 (exact) and drops the self-fed ones. key_mask (1, L): False at padded
-        prompt positions. Returns the tokens (1, n) and the processed logits (1, n, V) they were drawn from.
+        prompt positions. `choose(ids, logits)` picks each draft from the processed logits (1, V) -> (1,) (None: the
+        argmax). Returns the tokens (1, n) and the processed logits (1, n, V) they were chosen from.
         """
         length, past = sequence_ids.shape[1], cache.get_seq_length()
         features = target_hidden_states
@@ -246,10 +247,7 @@ class Eagle3DraftModel(DrafterMixin, Eagle3PreTrainedModel):
             logits = self.base_logits(out.last_hidden_state[:, -1], lm_head)  # (1, V)
             if logits_processor is not None:
                 logits = logits_processor(ids, logits)
-            if do_sample:
-                token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-            else:
-                token = logits.argmax(dim=-1, keepdim=True)
+            token = (logits.argmax(dim=-1) if choose is None else choose(ids, logits))[:, None]  # (1, 1)
             logits_out.append(logits)
             ids = torch.cat([ids, token.to(ids.device)], dim=-1)
         drafted = cache.get_seq_length() - length

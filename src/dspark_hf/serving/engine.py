@@ -4,11 +4,12 @@ Requests join and leave between rounds; each round is the one round of `core.Spe
 lengths → verify → accept → commit) for every active request. The Engine is its driver: a thread-safe request queue,
 admission (prefill) while the batch has room, retirement of finished and aborted requests, a background loop for
 servers, and counters. Each request's output is its own plain output whatever else is in the batch:
-token-identical under greedy decoding, identically distributed under sampling (per-request `torch.Generator`,
-seeded by `seed`).
+token-identical under greedy decoding; under sampling the very tokens its seed gives in plain decoding (noise keyed
+by the request's seed and each token's position, `decoding/randomness.py`).
 """
 
 import itertools
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -32,7 +33,7 @@ class _RequestRow(Row):
     """A `Request` as a row of the decoder: its sampling settings, budget and output stream."""
 
     def __init__(self, request: Request, counts: dict):
-        super().__init__(request.prompt_ids, do_sample=request.do_sample, generator=request.generator)
+        super().__init__(request.prompt_ids, do_sample=request.do_sample, seed=request.seed)
         self.request, self._counts = request, counts
         self.stats = request.stats
         self.sampling_key, self.warpers = request.sampling_key, request.warpers
@@ -162,10 +163,10 @@ class Engine:
     ) -> Request:
         """Queue a request (thread-safe). `input_ids`: list[int] or 1-D LongTensor (a string with a tokenizer).
 
-        `eos_token_id` None takes the target's `generation_config.eos_token_id`; `seed` seeds the request's own
-        generator (None: drawn from torch's global RNG). Under the fixed and threshold policies a seeded request's
-        output does not depend on what else is in the batch (Algorithm 1 lets the batch change ℓ_r, and with it
-        the random stream; the distribution stays exact either way). Returns the `Request` to stream or wait on.
+        `eos_token_id` None takes the target's `generation_config.eos_token_id`. `seed` keys a sampled request's
+        noise at each position (`decoding/randomness.py`), so one seed gives one output under every policy, batch
+        and load, with or without a drafter (None: a fresh random seed, kept in `request.seed`). Returns the
+        `Request` to stream or wait on.
         """
         prompt = prompt_token_ids(input_ids, self.vocab_size, self.tokenizer)
         check_sampling_settings(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
@@ -181,9 +182,9 @@ class Engine:
                 request_id, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                 top_p=top_p, top_k=top_k, eos_token_ids=frozenset(eos), seed=seed, block_size=self.block_size,
             )  # fmt: skip
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, ()).item())
-            request.generator = torch.Generator(device=self.device).manual_seed(seed)
+            if request.seed is None:  # recorded on the request: passing it again reproduces the output
+                request.seed = secrets.randbits(63)
+            request._run_round = self._round_for_a_waiter
             self._requests[request_id] = request
             self._waiting.append(request)
             self._wakeup.notify_all()
@@ -229,6 +230,17 @@ class Engine:
             except BaseException as error:
                 self._fail_all(error)
                 raise
+
+    def _round_for_a_waiter(self) -> bool:
+        """`Request.wait()` / `stream()` while no loop thread runs: one round in the caller's thread (False, and
+        nothing run, when a loop thread runs). A failed round has already ended every request with its error."""
+        if self.is_running:
+            return False
+        try:
+            self.step()
+        except Exception:  # step() has ended every request with the error, which wait() / stream() raise
+            pass
+        return True
 
     def _admit(self) -> list[Request]:
         """Prefill queued requests while the batch has room; returns those finished by their first token."""
@@ -293,7 +305,9 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the loop thread after its current step; unfinished requests stay queued for a later start/step."""
+        """Stop the loop thread after its current step. The engine can start again: unfinished and newly added
+        requests stay queued for a later `start()` or `step()`, and `wait()` / `stream()` on one run its rounds in the
+        caller's thread meanwhile (as on an engine never started)."""
         self._stopping.set()
         with self._lock:
             self._wakeup.notify_all()

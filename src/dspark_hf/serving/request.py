@@ -3,12 +3,16 @@
 import operator
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..decoding.stats import DSparkGenerationStats
+
+
+_POLL_S = 0.05  # how often a waiting caller checks whether the engine's loop thread still runs
 
 
 class Request:
@@ -43,10 +47,11 @@ class Request:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.eos_token_ids, self.seed = eos_token_ids, seed
         self.stats = DSparkGenerationStats(block_size=block_size, num_prompt_tokens=len(prompt_ids))
-        self.generator: torch.Generator | None = None  # set by the engine on the target's device
         self._warpers = self._build_warpers()
         self._chunks: queue.Queue = queue.Queue()
         self._done = threading.Event()
+        # set by the engine: runs one round in the caller's thread when no loop thread runs; False when one does
+        self._run_round: Callable[[], bool] | None = None
 
     # -- progress -----------------------------------------------------------------------------------------------
 
@@ -115,14 +120,12 @@ class Request:
 
     def stream(self, timeout: float | None = None) -> Iterator[list[int]]:
         """New token chunks as rounds commit them; ends when the request finishes. One consumer per request.
+        While the engine runs no loop thread (never started, or stopped), the rounds run here, in the caller's thread.
 
         Raises TimeoutError when no chunk arrives within `timeout` seconds, RuntimeError if the engine failed.
         """
         while True:
-            try:
-                chunk = self._chunks.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"Request {self.request_id}: no tokens within {timeout} s.") from None
+            chunk = self._next_chunk(timeout)
             if chunk is None:
                 self._chunks.put(None)  # a later stream() ends at once too
                 self._raise_error()
@@ -130,11 +133,39 @@ class Request:
             yield chunk
 
     def wait(self, timeout: float | None = None) -> list[int]:
-        """Block until finished; returns the generated tokens (prompt excluded)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"Request {self.request_id} did not finish within {timeout} s.")
+        """Block until finished; returns the generated tokens (prompt excluded). While the engine runs no loop thread
+        (never started, or stopped), the rounds run here, in the caller's thread, so a queued request never waits
+        for a round nobody will run."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"Request {self.request_id} did not finish within {timeout} s.")
+            if not self._serve():
+                self._done.wait(_POLL_S if left is None else min(_POLL_S, left))
         self._raise_error()
         return list(self.output_ids)
+
+    def _next_chunk(self, timeout: float | None):
+        """The next chunk (None: finished), running rounds here while no loop thread does."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self._chunks.get_nowait()
+            except queue.Empty:
+                pass
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"Request {self.request_id}: no tokens within {timeout} s.")
+            if not self._serve():
+                try:
+                    return self._chunks.get(timeout=_POLL_S if left is None else min(_POLL_S, left))
+                except queue.Empty:
+                    continue
+
+    def _serve(self) -> bool:
+        """Run one round of the engine in this thread if no loop thread runs one; False if one does."""
+        return self._run_round is not None and self._run_round()
 
     def _raise_error(self) -> None:
         if self.error is not None:
@@ -152,6 +183,10 @@ def prompt_token_ids(input_ids, vocab_size: int, tokenizer=None) -> list[int]:
             raise TypeError("A string prompt needs `tokenizer=` at Engine construction; or pass token ids.")
         input_ids = tokenizer.encode(input_ids)
     if isinstance(input_ids, torch.Tensor):
+        if input_ids.numel() == 0:
+            raise ValueError(
+                f"`input_ids` is empty (shape {tuple(input_ids.shape)}): a request needs at least one prompt token."
+            )
         if input_ids.dim() != 1 or input_ids.is_floating_point():
             raise ValueError(f"`input_ids` must be a 1-D integer tensor, got {input_ids.dtype} {input_ids.shape}.")
         input_ids = input_ids.tolist()

@@ -13,6 +13,15 @@ import torch
 
 
 DEFAULT_GRID = torch.exp(torch.linspace(-2.5, 2.5, 101))  # T from ~0.08 to ~12, log-spaced
+MIN_BLOCKS = 2  # the cross-fitted report fits on one fold and scores the other
+
+
+def count_full_blocks(dataset, block_size: int, seq_len: int) -> int:
+    """How many distinct fully supervised blocks (an anchor and its `block_size` labels, all inside the loss mask)
+    `dataset`'s sequences can give in windows of `seq_len` tokens: what `collect_confidence` can collect at most."""
+    lengths = dataset.offsets[1:] - dataset.offsets[:-1]
+    supervised = (lengths - dataset.loss_start).clip(min=0).clip(max=seq_len)
+    return int((supervised - block_size).clip(min=0).sum())
 
 
 def expected_calibration_error(pred: torch.Tensor, label: torch.Tensor, bins: int = 20) -> float:

@@ -81,6 +81,13 @@ class DSparkTrainingConfig:
         },
     )
     seq_len: int = field(default=512, metadata={"help": "training sequence length (longer ones are cropped)"})
+    context_window: int | None = field(
+        default=None,
+        metadata={
+            "help": "DSpark: each block attends to the W target features before its anchor (DSparkConfig."
+            "context_window, saved with the drafter); unset: the drafter's own setting"
+        },
+    )
     batch_size: int = field(default=4, metadata={"help": "sequences per step and process"})
     num_anchors: int = field(default=64, metadata={"help": "blocks per sequence"})
     learning_rate: float = field(default=6e-4, metadata={"help": "peak AdamW learning rate"})
@@ -128,6 +135,10 @@ class DSparkTrainingConfig:
             raise ValueError(f"`mixed_precision` must be 'no' or 'bf16', got {self.mixed_precision!r}.")
         if self.max_time < 0:
             raise ValueError(f"`max_time` must be >= 0 seconds (0: no limit), got {self.max_time}.")
+        if self.context_window is not None and self.context_window < 1:
+            raise ValueError(
+                f"`context_window` must be >= 1 (or null for the drafter's own), got {self.context_window}."
+            )
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"`warmup_ratio` must lie in [0, 1), got {self.warmup_ratio}.")
 

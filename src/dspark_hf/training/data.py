@@ -31,14 +31,17 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return anchors, valid
 
 
-def block_attention_mask(seq_len: int, anchors: torch.Tensor, block_size: int):
+def block_attention_mask(seq_len: int, anchors: torch.Tensor, block_size: int, context_window: int | None = None):
     """Boolean mask (True = visible) of block queries over [context (L) ; all block slots (N·γ)].
 
-    anchors (B, N) -> (B, 1, N·γ, L + N·γ).
+    anchors (B, N) -> (B, 1, N·γ, L + N·γ). With `context_window` W, a block sees only the W context positions
+    before its anchor (`DSparkConfig.context_window`), as decoding then does.
     """
     bsz, n = anchors.shape
     context_pos = torch.arange(seq_len, device=anchors.device)
     sees_context = context_pos[None, None, :] < anchors[:, :, None]  # (B, N, L): context strictly before the anchor
+    if context_window is not None:
+        sees_context &= context_pos[None, None, :] >= anchors[:, :, None] - context_window
     block_id = torch.arange(n, device=anchors.device).repeat_interleave(block_size)  # (N·γ,)
     same_block = block_id[:, None] == block_id[None, :]  # (N·γ, N·γ)
     ctx = sees_context.repeat_interleave(block_size, dim=1)  # (B, N·γ, L)
@@ -67,8 +70,11 @@ class BlockBatch:
     attention_mask: torch.Tensor
 
 
-def make_blocks(input_ids, loss_mask, block_size: int, num_anchors: int, generator=None) -> BlockBatch:
-    """Sample anchors and build labels, validity, positions and the attention mask. input_ids, loss_mask (B, L).
+def make_blocks(
+    input_ids, loss_mask, block_size: int, num_anchors: int, generator=None, context_window: int | None = None
+) -> BlockBatch:
+    """Sample anchors and build labels, validity, positions and the attention mask. input_ids, loss_mask (B, L);
+    `context_window`: the drafter's (`block_attention_mask`).
 
     The anchors are drawn on the CPU (from a seeded CPU `generator`, so a step's blocks are the same on any device);
     the rest is built on `input_ids`' device."""
@@ -93,5 +99,5 @@ def make_blocks(input_ids, loss_mask, block_size: int, num_anchors: int, generat
         valid=valid,
         label_positions=safe - 1,  # p_t of the token at a + k + 1 comes from the target's logits at a + k
         position_ids=position_ids,
-        attention_mask=block_attention_mask(length, anchors, block_size),
+        attention_mask=block_attention_mask(length, anchors, block_size, context_window),
     )

@@ -4,11 +4,15 @@ Fields: `tokens` (uint16 when the vocabulary fits, else uint32), `offsets` (int6
 the first position of the supervised response; prompts are context only). A few MB hold a million tokens.
 """
 
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+
+
+_ARRAYS = ("tokens", "offsets", "loss_start")
 
 
 class TokenDataset:
@@ -36,11 +40,28 @@ class TokenDataset:
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise ValueError(f"Token dataset file(s) not found: {missing}. Build one with `dspark-hf data`.")
-        parts = []
-        for p in paths:
-            with np.load(p, allow_pickle=False) as f:
-                parts.append(cls(f["tokens"], f["offsets"], f["loss_start"]))
+        parts = [cls._load_one(p) for p in paths]
         return parts[0] if len(parts) == 1 else cls.concatenate(parts)
+
+    @classmethod
+    def _load_one(cls, path: Path) -> "TokenDataset":
+        """One `.npz`; a file that is not one, lacks an array or is inconsistent is a ValueError naming it."""
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                missing = [name for name in _ARRAYS if name not in f.files]
+                if missing:
+                    raise ValueError(
+                        f"{path} is not a token dataset: it lacks the array(s) {missing} (it holds {f.files}). "
+                        "Build one with `dspark-hf data`."
+                    )
+                return cls(*(f[name] for name in _ARRAYS))
+        except (OSError, EOFError, ValueError, TypeError, AttributeError, zipfile.BadZipFile) as err:
+            if str(path) in str(err):
+                raise
+            reason = "the file is empty" if path.stat().st_size == 0 else str(err)
+            raise ValueError(
+                f"{path} is not a readable .npz token dataset ({reason}). Build one with `dspark-hf data`."
+            ) from None
 
     @classmethod
     def concatenate(cls, datasets: Sequence["TokenDataset"]) -> "TokenDataset":

@@ -45,6 +45,11 @@ LEGACY_PLAN = "prompts.jsonl"  # the plan of runs made before plans were compres
 FALLBACK_SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=20)
 
 
+# With the `longdoc` source: prompts up to this many tokens (an 8k-context target's room for a 192-token answer) and
+# characters (the source's documents are at most 30,000)
+LONG_PROMPT_TOKENS, LONG_PROMPT_CHARS = 8000, 40_000
+
+
 @dataclass
 class DataConfig:
     """What goes into the data set. Every field is recorded in the manifest; a resume must use the same values."""
@@ -70,6 +75,8 @@ class DataConfig:
 
     def __post_init__(self):
         self.sources = tuple(self.sources)
+        if "longdoc" in self.sources and self.max_prompt_tokens == DataConfig.max_prompt_tokens:
+            self.max_prompt_tokens = LONG_PROMPT_TOKENS  # the point of long documents is their length
         self.exclude_eval = tuple(str(f) for f in self.exclude_eval)
         if self.batch_size < 1 or self.chunk_size < 1 or self.max_new_tokens < 1:
             raise ValueError("batch_size, chunk_size and max_new_tokens must be positive.")
@@ -191,7 +198,9 @@ def plan_prompts(tokenizer, config: DataConfig, guard: EvalGuard | None = None) 
     `max_prompt_tokens` are dropped (and replaced by extra draws, so the plan keeps about `num_prompts`)."""
     plan, extra = [], 0
     while True:
-        records = build_prompts(config.num_prompts + extra, config.sources, config.seed, guard)
+        # long documents (the `longdoc` source) are bounded by `max_prompt_tokens` alone
+        long = {"max_chars": LONG_PROMPT_CHARS} if "longdoc" in config.sources else {}
+        records = build_prompts(config.num_prompts + extra, config.sources, config.seed, guard, **long)
         plan = []
         for record in records:
             ids = encode_prompt(tokenizer, record)

@@ -84,7 +84,8 @@ def block_predictions(
     """
     module = getattr(drafter, "module", drafter)  # unwrap DistributedDataParallel for the head methods
     config = module.config
-    blocks = make_blocks(input_ids, loss_mask, config.block_size, num_anchors, generator)
+    window = getattr(config, "context_window", None)  # DSpark only
+    blocks = make_blocks(input_ids, loss_mask, config.block_size, num_anchors, generator, window)
     if features is None:
         features = target_features(target, input_ids, config.target_layer_ids)
     features, last_hidden = features

@@ -63,7 +63,17 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 def build_drafter(config: DSparkTrainingConfig, target, tokenizer=None):
     """The drafter a run starts from: `init_drafter`'s checkpoint, a new one from `drafter_config` (a DSpark or
-    EAGLE-3 config file), or a new `drafter_kind` drafter shaped by the training config."""
+    EAGLE-3 config file), or a new `drafter_kind` drafter shaped by the training config; `context_window`, when set,
+    replaces the drafter's (a fine-tune of a full-context drafter with a bounded window, for long prompts)."""
+    drafter = _starting_drafter(config, target, tokenizer)
+    if config.context_window is not None:
+        if getattr(drafter.config, "model_type", None) != "dspark":
+            raise ValueError(f"`context_window` applies to DSpark drafters, not {drafter.config.model_type!r} ones.")
+        drafter.config.context_window = config.context_window
+    return drafter
+
+
+def _starting_drafter(config: DSparkTrainingConfig, target, tokenizer=None):
     if config.init_drafter:
         drafter = AutoModel.from_pretrained(config.init_drafter)  # DSpark (ours or DeepSpec's) or EAGLE-3
         drafter.config.check_target(target.config)

@@ -50,6 +50,34 @@ def read_config_file(config_path) -> dict:
     return config
 
 
+# fields a DeepSpec draft config.json adds to the target's config (`integrations/deepspec.py`)
+_DEEPSPEC_FIELDS = ("num_target_layers", "target_layer_ids", "block_size", "markov_rank")
+
+
+def check_model_type(path, expected: str, subfolder: str = "") -> None:
+    """A local checkpoint folder must hold a config.json of `expected` model_type: a target's folder, or a DeepSpec
+    config.json that lost its `architectures` (by which DeepSpec checkpoints are recognised), is named as such
+    rather than failing later inside transformers. Hub ids and folders without a config.json are left alone."""
+    folder = os.path.join(os.path.expanduser(str(path)), subfolder)
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        return
+    config = read_config_file(config_path)
+    found = config.get("model_type")
+    if found == expected:
+        return
+    if all(k in config for k in _DEEPSPEC_FIELDS) and not config.get("architectures"):
+        raise ValueError(
+            f"{config_path} looks like a DeepSpec DSpark config (it has {list(_DEEPSPEC_FIELDS)}) but lacks "
+            '`architectures`, by which DeepSpec checkpoints are recognised: add "architectures": ["Qwen3DSparkModel"] '
+            '(or ["Gemma4DSparkModel"]) to it.'
+        )
+    raise ValueError(
+        f"{config_path} has model_type {found!r}, not {expected!r}: it is not this kind of drafter's checkpoint "
+        "(a target model's folder?)."
+    )
+
+
 def check_checkpoint_files(path, kwargs: dict) -> None:
     """For a local checkpoint folder: refuse a missing folder or config.json, a corrupt config.json, pickle-only
     weights, missing weights and corrupt safetensors files."""

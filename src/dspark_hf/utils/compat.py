@@ -51,6 +51,15 @@ PRIVATE_API = (
         "the routing builds the StopStringCriteria itself and passes it as public `stopping_criteria`",
         ("5.24", "5.25"),
     ),
+    PrivateName(
+        "RepetitionPenaltyLogitsProcessor.prompt_ignore_length (a (B,) tensor of padding lengths), "
+        "EncoderRepetitionPenaltyLogitsProcessor.encoder_input_ids, EncoderNoRepeatNGramLogitsProcessor."
+        "{generated_ngrams, batch_size}, PrefixConstrainedLogitsProcessor._prefix_allowed_tokens_fn",
+        "generation._row_processors",
+        "processors built with one entry per batch row get a copy holding one row's entry, since each row's logits "
+        "are processed on their own (a batch of one)",
+        ("5.25",),
+    ),
 )
 
 # the transformers releases this package was tested with: the public hook exists from 5.24 on (see README)

@@ -27,7 +27,9 @@ def read_prompts(path: str | Path) -> list[dict]:
 def _prompt_problem(record: dict) -> str | None:
     """What is wrong with the prompt field of a record that has one, or None."""
     if "prompt" in record:
-        return None if isinstance(record["prompt"], str) else '"prompt" must be a string'
+        if not isinstance(record["prompt"], str):
+            return '"prompt" must be a string'
+        return None if record["prompt"] else '"prompt" is empty; give the text to continue'
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
