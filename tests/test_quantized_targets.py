@@ -166,8 +166,10 @@ def test_generate_with_a_drafter_equals_the_quantized_targets_own_greedy(kind):
 @pytest.mark.parametrize("kind", ["int8-weight", "dynamic-int8", "tensor-subclass"])
 def test_batches_and_the_engine_give_each_row_its_own_greedy(kind):
     """Every row of a batch (generate() left-padded, the Engine) equals its prompt's plain batch-1 greedy output on the
-    quantized target: for dynamic int8 too, whose own batched generate() depends on the batch (one activation
-    scale per call), because the decoder prefills its prompts one by one and verifies token by token."""
+    quantized target. For dynamic int8 (one activation scale per call, so its own batched generate() depends on the
+    batch) the decoder prefills prompts one by one and verifies token by token; that makes it exact here, while on
+    real targets the int8 rounding step can still turn float rounding in attention into a flipped near-tie
+    (docs/quantization.md has the count)."""
     target, drafter, _ = built(kind)
     plain = [
         target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12)[0, len(p) :].tolist() for p in PROMPTS
