@@ -1,5 +1,7 @@
-"""Test helpers: pinned (oracle / diverging) drafters and a tiny word-level tokenizer."""
+"""Test helpers: pinned (oracle / diverging) drafters, a tiny word-level tokenizer, and the near-tie check that
+tells a rounding flip of a low-precision target from a bug."""
 
+import math
 import weakref
 
 import torch
@@ -32,9 +34,10 @@ def pin_drafter(drafter, sequences, diverge_at: int | None = None):
     """Make `drafter` propose, for each row being decoded, the tokens of its reference sequence that follow it.
 
     sequences: a (B, L) tensor or a list of token lists, unpadded; a row drafts from the reference its committed
-    tokens are a prefix of. The base logits are replaced by ±1e4 one-hot logits, which dominate the (random) Markov
-    bias, so the real sequential head, confidence head and verify policy still run. With `diverge_at=k` the draft at
-    block slot k (0-based) is deliberately wrong, so exactly k drafts survive each full round.
+    tokens are a prefix of (token 0 once it has left them all). The base logits are replaced by ±1e4 one-hot
+    logits, which dominate the (random) Markov bias, so the real sequential head, confidence head and verify policy
+    still run. With `diverge_at=k` the draft at block slot k (0-based) is deliberately wrong, so exactly k drafts
+    survive each full round.
     """
     references = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
     vocab = drafter.config.vocab_size
@@ -49,7 +52,7 @@ def pin_drafter(drafter, sequences, diverge_at: int | None = None):
         o = next(o for o in range(hidden.shape[1]) if torch.equal(hidden[:, o : o + k], h))
         logits = torch.full((h.shape[0], k, vocab), -1e4)
         for r, row in enumerate(state["rows"]):
-            ref = next(s for s in references if s[: len(row.seq)] == row.seq)
+            ref = next((s for s in references if s[: len(row.seq)] == row.seq), [])  # [] once a row left them all
             for j in range(k):
                 index = len(row.seq) + o + j  # block slot o + j predicts this token
                 token = ref[index] if index < len(ref) else 0
@@ -102,3 +105,32 @@ def char_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """The spacing of `dtype`'s numbers at |value| (bf16: 2^-7 of the power of two below it)."""
+    finfo = torch.finfo(dtype)
+    return finfo.eps * 2.0 ** math.floor(math.log2(max(abs(value), finfo.tiny)))
+
+
+def first_divergence(plain: list[int], other: list[int], plain_logits: torch.Tensor, dtype=None, ulps: float = 4,
+                     tolerance: float | None = None) -> dict:  # fmt: skip
+    """Where `other` first leaves `plain` (the new tokens of two greedy runs of one prompt), and whether the plain
+    run was at a near-tie there: its logit for `other`'s token within `tolerance` of its best logit.
+
+    plain_logits (n, V): the plain run's raw logits at each new position (`output_logits=True`). tolerance: an
+    absolute logit gap; None: `ulps` units in the last place of `dtype` at the best logit's magnitude (the
+    rounding a different batch shape can move a logit by). Returns {"index": None} when the runs agree over their
+    common length, else {"index", "plain", "other", "gap", "tolerance", "gap_ulps", "near_tie"}. Any divergence that
+    is not a near-tie is a bug, whatever the dtype (reused for quantised targets with their own tolerance).
+    """
+    index = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+    if index is None:
+        return {"index": None}
+    row = plain_logits[index].float()
+    best = float(row.max())
+    unit = ulp(best, dtype) if dtype is not None else float("nan")
+    tolerance = ulps * unit if tolerance is None else tolerance
+    gap = best - float(row[other[index]])
+    return {"index": index, "plain": plain[index], "other": other[index], "gap": gap, "tolerance": tolerance,
+            "gap_ulps": gap / unit, "near_tie": gap <= tolerance}  # fmt: skip

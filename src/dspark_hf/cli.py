@@ -6,6 +6,7 @@ any model loads.
 """
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -53,6 +54,21 @@ def _check_model_path(path, option: str, drafter: bool = False):
         return read_drafter_config(path)
     except (OSError, ValueError) as err:
         raise type(err)(f"{option}: {err}") from None
+
+
+def _holds_a_causal_lm(path) -> bool:
+    """Whether a local folder holds a transformers model that is none of this package's drafters (nor DeepSpec's)."""
+    from .integrations.deepspec import is_deepspec_config
+    from .models.configuration_dspark import DSparkConfig
+    from .models.configuration_eagle3 import Eagle3Config
+
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # missing or unreadable: the drafter check names it
+    if not isinstance(config, dict) or is_deepspec_config(config):
+        return False
+    return config.get("model_type") not in (None, DSparkConfig.model_type, Eagle3Config.model_type)
 
 
 def _check_hub_id(name: str, option: str) -> None:
@@ -210,7 +226,8 @@ def _check_bench_args(args) -> None:
     _at_least(args, 1, "limit", "max_new_tokens", "latency_new_tokens", "requests_per_client")
     _check_model_path(args.target, "--target")
     for path in parse_drafters(args.drafter or []).values():
-        _check_model_path(path, "--drafter", drafter=True)
+        # bench also times transformers' own assistants (any causal LM): only this package's drafters are read
+        _check_model_path(path, "--drafter", drafter=not _holds_a_causal_lm(path))
 
 
 def _check_server(url: str) -> None:
@@ -756,9 +773,19 @@ class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's error rule: one line on stderr, exit status 2 (no usage block). Subcommand parsers are
     made by `add_subparsers` with the parent's class, so every command's parser is one too."""
 
+    commands: dict = {}  # the root's: command name -> its parser
+
     def error(self, message: str):
         print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        """Unknown options are named by the command they were given to (argparse's root would claim them)."""
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self.commands.get(getattr(args, "command", None), self)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -953,6 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"], help="gguf: tensor type")
     export.add_argument("--converter-python", help="gguf: Python with llama.cpp's converter requirements")
     export.set_defaults(func=cmd_export)
+    parser.commands = dict(sub.choices)
     for command in sub.choices.values():  # `dspark-hf bench ... --debug` as well as `dspark-hf --debug bench ...`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
