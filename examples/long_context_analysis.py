@@ -343,9 +343,10 @@ def part_routing(args):
         rows[label] = {k: run[k] for k in ("acceptance_length", "speedup", "round_ms", "all_identical")}
         print(label, rows[label], flush=True)
     verify_attention.ENABLED = True
-    from dspark_hf.kernels.verify_head import kernel_choice
+    from dspark_hf.kernels.verify_linears import kernel_choice
 
-    rows["products_chosen_by_rows"] = {str(k): v for k, v in kernel_choice(target).chosen.items()}
+    table = kernel_choice(target).table
+    rows["products_chosen_by_rows"] = table.to_json()["choice"] if table is not None else {}
     print(rows["products_chosen_by_rows"])
     save(args, "routing", rows)
 

@@ -3,9 +3,9 @@
     python examples/time_kernel_choice.py --datasets mt-bench=$E/mt-bench.jsonl,gsm8k=$E/gsm8k.jsonl --limit 4 \
         --out kernel-choice.json
 
-For every prompt, in turn: plain greedy `generate()`, the shipped drafter with the kernels chosen by measurement
-(`verify_head.KernelChoice`, the default: kept per target across prompts, so its trials are paid once) and the same
-drafter with the kernels on for every verify (`verify_head.MEASURE = False`, the behaviour before the choice). Every
+For every prompt, in turn: plain greedy `generate()`, the shipped drafter with the target's linears the way measured
+on this machine (`verify_linears.kernel_choice`, the default: measured once per target) and the same drafter with the
+few-row products on for every verify (`verify_linears.FORCE = "few rows"`, the behaviour before any choice). Every
 output is checked against plain greedy. Prints tok/s and the ratios; writes them, and the choice made, as JSON.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 import dspark_hf
 from dspark_hf.evaluation.harness import parse_datasets, timed_generate
-from dspark_hf.kernels import verify_head
+from dspark_hf.kernels import verify_linears
 from dspark_hf.utils.prompts import encode, read_prompts
 
 
@@ -36,16 +36,12 @@ def main() -> None:
     timed_generate(target, first, 8, drafter)
 
     def always_on(ids):
-        """The drafter with every verify on the kernels; the measured choice is set aside and put back."""
-        kept = verify_head._CHOICES.pop(target, None)
-        verify_head.MEASURE = False
+        """The drafter with every verify on the few-row products."""
+        verify_linears.FORCE = "few rows"
         try:
             return timed_generate(target, ids, args.max_new_tokens, drafter)
         finally:
-            verify_head.MEASURE = True
-            verify_head._CHOICES.pop(target, None)
-            if kept is not None:
-                verify_head._CHOICES[target] = kept
+            verify_linears.FORCE = None
 
     modes = {
         "plain": lambda ids: timed_generate(target, ids, args.max_new_tokens),
@@ -77,12 +73,12 @@ def main() -> None:
         key: round(statistics.geometric_mean(r[key] for r in result.values()), 3)
         for key in ("measured_vs_plain", "always_on_vs_plain")
     }
-    choice = verify_head.kernel_choice(target)
+    choice = verify_linears.kernel_choice(target).table
     report = {
         "datasets": result,
         "geometric_mean": summary,
         "all_identical": identical,
-        "kernels_chosen": {str(rows): used for rows, used in sorted(choice.chosen.items())},
+        "kernels_chosen": choice.to_json()["choice"] if choice is not None else None,
         "torch_threads": torch.get_num_threads(),
         "prompts_per_dataset": args.limit,
         "max_new_tokens": args.max_new_tokens,

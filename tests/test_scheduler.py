@@ -281,3 +281,50 @@ def test_draft_gate_backs_off_while_probes_fail_and_resets_when_drafting_pays():
 def test_conditional_confidences_undo_the_cumulative_product():
     assert conditional_confidences([0.8, 0.4, 0.1, 0.0, 0.0]) == pytest.approx([0.8, 0.5, 0.25, 0.0, 0.0])
     assert conditional_confidences([]) == []
+
+
+def _gate_run(gate, now, rounds, drafted_seconds, plain_seconds, drafted_tokens=3):
+    """`rounds` rounds of one request on a fake clock: a drafted round commits `drafted_tokens` in
+    `drafted_seconds`, a plain one 1 token in `plain_seconds`; the draft pass is priced cheap, so the prediction
+    alone would always draft. Returns the decisions."""
+    confident = [[0.9, 0.9, 0.9]]
+    decisions = []
+    for _ in range(rounds):
+        drafted = gate.should_draft(confident, [3])
+        if drafted:
+            gate.record(0.001, confident)
+        now[0] += drafted_seconds if drafted else plain_seconds
+        gate.end_round(drafted_tokens if drafted else 1)
+        decisions.append(drafted)
+    return decisions
+
+
+def test_draft_gate_follows_measured_round_times_and_recovers_when_the_load_changes():
+    """Quiet: drafted rounds cost 20 ms a token, plain 40: it drafts, with a plain round every 5 to keep the plain
+    cost current. A load makes drafted rounds 100 ms a token against 60 plain: within a few rounds only probes draft.
+    The load gone, the probes find drafting cheaper again and it drafts."""
+    now = [0.0]
+    gate = DraftGate(
+        {b: 10.0 for b in range(1, 10)}, probe_interval=2, max_probe_interval=8, plain_probe_interval=5,
+        clock=lambda: now[0],
+    )  # fmt: skip
+    quiet = _gate_run(gate, now, 30, 0.06, 0.04)
+    assert quiet[:5] == [True, True, False, False, True]  # warm-ups of both kinds left out, then measured
+    assert sum(quiet[5:]) >= 20 and not all(quiet[5:])  # drafting, with plain probes
+    assert gate.rounds[True].per_token(1) == pytest.approx(0.02)
+    loaded = _gate_run(gate, now, 60, 0.3, 0.06)
+    assert sum(loaded[20:]) <= 10  # only probes draft
+    assert gate.measured_gated > 0 and gate.rounds[True].per_token(1) > gate.rounds[False].per_token(1)
+    recovered = _gate_run(gate, now, 80, 0.06, 0.04)
+    assert sum(recovered[-30:]) >= 20  # drafting again
+    assert gate.rounds[True].per_token(1) < gate.rounds[False].per_token(1)
+
+
+def test_a_fixed_draft_price_ignores_round_times():
+    now = [0.0]
+    gate = DraftGate({b: 10.0 for b in range(1, 10)}, draft_seconds=0.001, clock=lambda: now[0])
+    assert all(_gate_run(gate, now, 20, 10.0, 0.01))  # dear drafted rounds, yet the model's price decides
+    with pytest.raises(ValueError, match="weight"):
+        DraftGate({1: 1.0}, weight=0.0)
+    with pytest.raises(ValueError, match="plain_probe_interval"):
+        DraftGate({1: 1.0}, plain_probe_interval=0)

@@ -20,6 +20,7 @@ from conftest import make_drafter, make_target
 from dspark_hf.kernels import verify_attention, verify_head
 from dspark_hf.kernels.verify_attention import ATTN_IMPLEMENTATION, routable, verify_sdpa_attention_forward
 from dspark_hf.kernels.verify_head import padded_steps, verify_kernels
+from dspark_hf.kernels.verify_linears import KernelTable, VerifyKernels
 from dspark_hf.serving.engine import Engine
 
 
@@ -139,7 +140,7 @@ def test_routed_only_while_verifying():
 
 def test_switch_off(monkeypatch):
     target = sdpa_target()
-    assert verify_head.version(target) == verify_head.VERSION == 3
+    assert verify_head.version(target) == verify_head.VERSION == 4
     monkeypatch.setattr(verify_attention, "ENABLED", False)
     with verify_kernels(target):
         assert target.config._attn_implementation == "sdpa"
@@ -148,7 +149,7 @@ def test_switch_off(monkeypatch):
 
 def test_profiles_record_whether_the_attention_is_routed():
     assert verify_head.version(make_target()) == 2  # eager: few-rows products only
-    assert verify_head.version(sdpa_target()) == 3
+    assert verify_head.version(sdpa_target()) == verify_head.VERSION
     assert verify_head.version(sdpa_target().to(torch.bfloat16)) == 0  # no few-rows products at all
 
 
@@ -205,8 +206,7 @@ def test_verifies_without_the_products_still_read_the_cache_unrepeated():
     """A kernel choice that drops the few-rows products keeps the attention routed (SDPA's own GQA): that halves a
     verify over a long cache and is never slower (docs/long_context.md)."""
     target = sdpa_target()
-    choice = verify_head.KernelChoice()
-    choice.chosen[3] = False  # measured: the products lose at 3 rows on this machine
+    choice = VerifyKernels(KernelTable({3: ("linear", 3)}))  # measured: plain linears win at 3 rows here
     with choice.verify(target, 3):
         assert target.config._attn_implementation == ATTN_IMPLEMENTATION
         assert not any(type(m) is not torch.nn.Linear for m in verify_head.eligible_linears(target))

@@ -7,17 +7,16 @@ import torch
 from torch import nn
 
 from conftest import make_drafter, make_target
-from dspark_hf.kernels import verify_head
+from dspark_hf.kernels import verify_head, verify_linears
 from dspark_hf.kernels.verify_head import (
-    KernelChoice,
     VerifyHead,
     VerifyLinear,
     eligible,
     eligible_linears,
-    kernel_choice,
     padded_steps,
     verify_kernels,
 )
+from dspark_hf.kernels.verify_linears import kernel_choice
 from dspark_hf.serving.engine import Engine
 
 
@@ -109,7 +108,7 @@ def test_generate_leaves_the_target_as_it_found_it(attn):
 
 
 def test_generate_verifies_with_few_rows_and_stays_identical(monkeypatch):
-    monkeypatch.setattr(verify_head, "MEASURE", False)  # every verify with the kernels, none timed without
+    monkeypatch.setattr(verify_linears, "FORCE", "few rows")  # every verify with the few-row products
     calls = count_calls(monkeypatch)
     target = make_target()
     drafter = make_drafter(target, verify_policy="fixed")
@@ -130,7 +129,7 @@ def test_generate_verifies_with_few_rows_and_stays_identical(monkeypatch):
 
 
 def test_engine_verifies_with_few_rows(monkeypatch):
-    monkeypatch.setattr(verify_head, "MEASURE", False)
+    monkeypatch.setattr(verify_linears, "FORCE", "few rows")
     calls = count_calls(monkeypatch)
     target = make_target()
     prompt = torch.randint(0, 99, (5,)).tolist()
@@ -197,26 +196,10 @@ def test_padded_steps_reject_a_4d_mask():
     assert type(target.lm_head) is nn.Linear  # no verify scope left open
 
 
-def test_kernel_choice_times_both_ways_then_keeps_the_faster(monkeypatch):
-    choice = KernelChoice(trials=3)
-    for rows, kernel_seconds, plain_seconds in ((2, 0.01, 0.03), (5, 0.04, 0.02)):
-        ways = []
-        for _ in range(6):
-            used = choice.use(rows)
-            ways.append(used)
-            choice.record(rows, used, kernel_seconds if used else plain_seconds)
-        assert ways == [True, False] * 3  # alternating, kernels first
-        assert choice.chosen[rows] is (kernel_seconds < plain_seconds)
-        assert [choice.use(rows) for _ in range(4)] == [kernel_seconds < plain_seconds] * 4
-    assert choice.use(1) and choice.use(verify_head.MAX_ROWS_HEAD + 1)  # the products never act there: no trials
-    assert choice.seconds.keys() == {2, 5}
-    monkeypatch.setattr(verify_head, "MEASURE", False)
-    assert KernelChoice().use(3)  # measuring off: always the kernels
-
-
 def test_slow_kernels_are_dropped_and_output_stays_identical(monkeypatch):
-    """Kernels made 50 ms slower per product: after the trials every verify runs without them; the tokens are plain
-    decoding's throughout, and the choice lives beside the target, not on it."""
+    """Few-row products made 50 ms slower per LM-head product (packing off): the machine's measurement keeps them
+    out of every verify; the tokens are plain decoding's throughout, and the choice lives beside the target."""
+    monkeypatch.setattr(verify_linears, "ENABLED", False)
     target = make_target()
     drafter = make_drafter(target, verify_policy="fixed")
     ids = torch.randint(0, 99, (1, 7))
@@ -226,18 +209,17 @@ def test_slow_kernels_are_dropped_and_output_stays_identical(monkeypatch):
 
     def slow(hidden, weight, bias=None):
         calls.append(hidden.numel() // hidden.shape[-1])
-        if weight.shape[0] == 99:  # the LM head, once per verify
+        if weight.shape[0] == 99:  # the LM head, once per pass
             time.sleep(0.05)
         return original(hidden, weight, bias)
 
     monkeypatch.setattr(verify_head, "linear_few_rows", slow)
-    monkeypatch.setattr(verify_head, "TRIALS", 2)
     out = target.generate(ids, do_sample=False, max_new_tokens=40, assistant_model=drafter)
     assert torch.equal(out, plain)
-    choice = kernel_choice(target)
-    assert choice.chosen and not any(choice.chosen.values())  # every measured row count: without the kernels
+    table = kernel_choice(target).table
+    assert table.choice and all(way == "linear" for way, _ in table.choice.values())
     assert "_dspark" not in str(sorted(vars(target)))
     calls.clear()
     out = target.generate(ids, do_sample=False, max_new_tokens=40, assistant_model=drafter)
     assert torch.equal(out, plain)
-    assert not any(rows in choice.chosen for rows in calls)  # the choice holds across generate() calls
+    assert calls == []  # measured once per target: the choice holds across generate() calls

@@ -765,7 +765,14 @@ def cmd_profile(args) -> int:
     profile = profile_target(target, lengths=lengths, context_len=args.context_len, repeats=args.repeats)
     save_profile(profile, args.out)
     threads, context = profile["torch_threads"], profile["context_len"]
-    print(f"{profile['device']} ({profile['dtype']}, {threads} threads), verify on a cache of {context} tokens")
+    machine = profile.get("cpu", profile["device"])
+    print(f"{machine} ({profile['dtype']}, {threads} threads), verify on a cache of {context} tokens")
+    kernels = profile.get("kernels")
+    if kernels:  # the machine's way for the target's linears, per row count (kernels/verify_linears.py)
+        print("linears per row count (way, padded to rows; ms of one pass over the target's linears per way):")
+        for rows, (way, pad) in kernels["choice"].items():
+            times = "  ".join(f"{w} {t[rows]:.1f}" for w, t in kernels["ms"].items() if rows in t)
+            print(f"{rows:>4} {way:>8} {pad:>3}   {times}")
     print(f"{'B':>4} {'measured ms':>12} {'padded ms':>10} {'steps/s':>9}")  # padded: cheapest width >= B
     for tokens, sps in sorted(((int(b), v) for b, v in profile["sps"].items())):
         key = str(tokens)

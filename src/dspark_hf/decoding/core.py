@@ -10,7 +10,7 @@ every row:
            survival as it is sampled (skipped when the draft gate expects a plain step to be faster)
   choose   the policy picks ℓ_r drafts per row (fixed / threshold / Algorithm 1), from survivals only
   verify   one target forward on (B, W = max ℓ_r + 1) tokens, [anchor, drafts] per row, over the ragged cache, with
-           the CPU verify kernels scoped to this one forward where they pay (`verify_head.KernelChoice`)
+           the target's CPU linears run this forward's way measured on this machine (`verify_linears.kernel_choice`)
   accept   each slot's target logits processed with that slot's own prefix; the target's choice at each slot
            (argmax, or for a sampling row the Gumbel-max draw keyed by its seed and the slot's position); the longest
            prefix of drafts equal to the choices, and the choice after it
@@ -30,7 +30,8 @@ from contextlib import nullcontext
 
 import torch
 
-from ..kernels.verify_head import eligible_linears, kernel_choice
+from ..kernels.verify_head import eligible_linears
+from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears
 from .acceptance import accept_greedy, accept_tree
 from .drafting import candidate_generator_for
@@ -89,7 +90,7 @@ class SpeculativeDecoder:
         self._linears = eligible_linears(target)  # kept here (never on the target) for `verify_kernels`
         # a dynamically quantized target's linears verify token by token, as its one-token steps run (weights.py)
         self._per_token = per_token_linears(target)
-        # the CPU verify kernels, where this machine's verifies measured faster with them (never on an accelerator)
+        # the CPU verify kernels, the way measured fastest on this machine per row count (never on an accelerator)
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []
@@ -200,6 +201,8 @@ class SpeculativeDecoder:
             record.verify_seconds = _clock(self.device) - record.start - record.seconds
         accepted, bonus, processed, path_slots = self._accept(drafts, logits)
         self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
+        if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
+            self.policy.gate.end_round(sum(accepted) + len(accepted))
         if record is not None:
             record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)

@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import os
+import platform
 import statistics
 import time
 from collections.abc import Iterable
@@ -24,8 +25,8 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from ..kernels import verify_head
-from ..kernels.verify_head import eligible_linears, verify_kernels, version
+from ..kernels.verify_head import eligible_linears, version
+from ..kernels.verify_linears import KernelTable, kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears, quantization
 from .scheduler import SPS
 
@@ -54,6 +55,19 @@ def _device_name(device) -> str:
         except (RuntimeError, AssertionError):
             return str(device)
     return device.type
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+"), which CPU profiles record: the verify
+    kernels' speed, and so the SPS curve, differs between CPUs that report the same flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def _dtype_name(dtype) -> str:
@@ -131,8 +145,10 @@ def profile_target(
     k or wider); and `sps` {B: 1000 / median ms} keyed by the verify-batch token count B = b·k (anchors included,
     Algorithm 1's B), taken from batch size 1 (else the smallest batch size profiled); with several batch sizes
     `sps_by_batch` {b: {B: steps/s}} holds them all. Token ids are random (own generator, the global RNG is untouched).
-    Where the CPU verify kernels can act, each size is timed with and without them and the faster counts, as in the
-    decode loops (`verify_head.KernelChoice`); `verify_kernels_faster` records which won.
+    On the CPU this is the one "measure the machine" step: first the way of the target's linears per row count
+    (`verify_linears.measure`: packed, few rows or `F.linear`, kept for the target as decode loops use it), then every
+    size timed that way; the profile records both (`kernels`, with the CPU model `cpu`), so a decode loop on the same
+    CPU model and thread count takes the kernel choice from the profile instead of measuring again.
     """
     lengths = sorted({int(k) for k in lengths})
     batch_sizes = sorted({int(b) for b in batch_sizes})
@@ -153,46 +169,43 @@ def profile_target(
     # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns); older model code keeps the old one
     cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
-    linears = eligible_linears(target)  # verify passes use the few-rows products where they apply (verify_head.py)
+    # the machine's way for the target's linears per row count, measured once per target (`verify_linears`); each
+    # width is then timed the way decode loops run it
+    linears = eligible_linears(target) if device.type == "cpu" else []
+    kernels = kernel_choice(target) if linears else None
+    table = kernels.ensure(target, linears) if kernels is not None else None
     per_token = per_token_linears(target)
 
     def random_ids(b, n):
         return torch.randint(0, vocab, (b, n), generator=generator).to(device)
 
-    measured_ms, verify_ms, sps_by_batch, kernels_used = {}, {}, {}, {}
+    measured_ms, verify_ms, sps_by_batch = {}, {}, {}
     bar = tqdm(total=len(batch_sizes) * (warmup + repeats), desc="profiling target", disable=not progress)
     try:
         for b in batch_sizes:
             cache = DynamicCache(config=target.config)
             target(input_ids=random_ids(b, context_len), use_cache=True, **{cache_arg: cache})
-            # with and without the verify kernels where they can act (`KernelChoice`: decode loops keep the faster)
-            ways = {k: (True, False) if linears and verify_head.measured(b * k) else (True,) for k in lengths}
-            times = {(k, way): [] for k in lengths for way in ways[k]}
+            times = {k: [] for k in lengths}
             # round robin over the lengths: a burst of load on the machine lands on every length alike instead of
             # on a few neighbouring ones
             for i in range(warmup + repeats):
                 for k in lengths:
-                    for way in ways[k]:
-                        ids = random_ids(b, k)
-                        _sync(device)
-                        start = time.perf_counter()
-                        with (
-                            verify_kernels(target, linears) if way else contextlib.nullcontext(),
-                            per_token_activations(target, per_token),  # as the decode loop verifies (weights.py)
-                        ):
-                            target(input_ids=ids, use_cache=True, **{cache_arg: cache})
-                        _sync(device)
-                        elapsed = time.perf_counter() - start
-                        cache.crop(-k)
-                        if i >= warmup:
-                            times[k, way].append(elapsed * 1000.0)
+                    ids = random_ids(b, k)
+                    _sync(device)
+                    start = time.perf_counter()
+                    with (
+                        kernels.verify(target, b * k, linears) if kernels else contextlib.nullcontext(),
+                        per_token_activations(target, per_token),  # as the decode loop verifies (weights.py)
+                    ):
+                        target(input_ids=ids, use_cache=True, **{cache_arg: cache})
+                    _sync(device)
+                    elapsed = time.perf_counter() - start
+                    cache.crop(-k)
+                    if i >= warmup:
+                        times[k].append(elapsed * 1000.0)
                 bar.update(1)
-            medians, sps_by_batch[b] = [], {}
-            for k in lengths:
-                best = min(ways[k], key=lambda way: statistics.median(times[k, way]))
-                medians.append(statistics.median(times[k, best]))
-                if len(ways[k]) > 1:
-                    kernels_used[str(k) if b == 1 else f"{b},{k}"] = best
+            medians = [statistics.median(times[k]) for k in lengths]
+            sps_by_batch[b] = {}
             for k, raw, padded in zip(lengths, medians, padded_costs(medians)):
                 key = str(k) if b == 1 else f"{b},{k}"
                 measured_ms[key], verify_ms[key] = raw, padded
@@ -204,8 +217,7 @@ def profile_target(
         "device": _device_name(device),
         "dtype": _dtype_name(dtype),
         "torch_threads": torch.get_num_threads(),
-        "verify_head": version(target),  # the few-rows products the verifies ran with (0: none)
-        "verify_kernels_faster": kernels_used,  # per size where both were timed: whether the kernels won
+        "verify_head": version(target),  # the verify kernels' version (0: none apply)
         "target": fingerprint,
         "context_len": context_len,
         "warmup": warmup,
@@ -214,6 +226,10 @@ def profile_target(
         "verify_ms_measured": measured_ms,
         "sps": sps_by_batch[batch_sizes[0]],
     }
+    if device.type == "cpu":
+        profile["cpu"] = cpu_model()
+    if table is not None:  # rows -> [way, rows padded to], and the milliseconds of each way's pass over the linears
+        profile["kernels"] = table.to_json()
     if len(batch_sizes) > 1:
         profile["sps_by_batch"] = {str(b): table for b, table in sps_by_batch.items()}
     return profile
@@ -349,6 +365,12 @@ def _profile_mismatch(profile: dict, target, min_tokens: int | None = None) -> s
     have, want = device_key(profile["device"], profile["dtype"]), device_key(device, dtype)
     if have != want:
         return f"profiled on {have}, the target runs on {want}"
+    if device.type == "cpu":
+        cpu, threads = profile.get("cpu"), profile.get("torch_threads")
+        if cpu is not None and cpu != cpu_model():
+            return f"profiled on a {cpu}, this machine is a {cpu_model()}"
+        if threads is not None and threads != torch.get_num_threads():
+            return f"profiled with {threads} torch threads, this process runs {torch.get_num_threads()}"
     fingerprint = target_fingerprint(target)
     stored = {field: profile["target"].get(field) for field in (*_FINGERPRINT_FIELDS, "quantization")}
     fingerprint.setdefault("quantization", None)
@@ -389,8 +411,26 @@ def find_profile(drafter, target) -> dict[int, float] | None:
         if why is not None:
             logger.warning(f"Ignoring {path}: {why}. Run `dspark-hf profile` on this machine to make a matching one.")
             return None
+        use_kernels(profile, target)
         return sps_table(profile)
     return None
+
+
+def use_kernels(profile: dict, target) -> bool:
+    """Give `target`'s decode loops the kernel choice recorded in a matching CPU `profile` (so they do not measure
+    it again); returns whether it did. A profile without one, or with an unreadable one, changes nothing."""
+    kernels = profile.get("kernels")
+    if not isinstance(kernels, dict) or profile.get("cpu") != cpu_model():
+        return False
+    try:
+        table = KernelTable.from_json(kernels)
+    except (KeyError, TypeError, ValueError) as e:
+        logger.warning(f"The profile's kernel choice is unreadable ({e}); measuring it on first use instead.")
+        return False
+    choice = kernel_choice(target)
+    if choice.table is None:
+        choice.table = table
+    return True
 
 
 def _target_key(target) -> str:
@@ -430,6 +470,7 @@ def sps_for(drafter, target) -> SPS:
 __all__ = [
     "PROFILE_FILE",
     "PROFILE_FORMAT",
+    "cpu_model",
     "device_key",
     "find_profile",
     "load_profile",
@@ -440,4 +481,5 @@ __all__ = [
     "sps_for",
     "sps_table",
     "target_fingerprint",
+    "use_kernels",
 ]

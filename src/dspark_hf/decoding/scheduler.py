@@ -7,6 +7,7 @@ Algorithm 1's early stop is what guarantees that (DSpark paper §3.2.2 and App. 
 import itertools
 import operator
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 
@@ -177,17 +178,53 @@ def drafting_pays(
     return expected * with_draft(n_requests + sum(lengths)) > n_requests * curve(n_requests)
 
 
-class DraftGate:
-    """`drafting_pays` between rounds: what a decoding loop asks before each draft pass.
+class RoundCosts:
+    """Exponentially weighted seconds and tokens of recent rounds of one kind (drafted or plain), per row count:
+    `per_token(rows)` is their ratio, the measured cost of a committed token (None until a round is recorded)."""
 
-    It predicts each request's confidences from the last round it drafted (a request that has not drafted yet: the
-    mean of the last drafted round) and prices the draft pass at `draft_seconds` (a float or a callable from the
-    number of rows; None measures it per number of rows, smoothed). It drafts anyway while that cost is unknown
-    and after `probe_interval` plain rounds in a row, which refreshes the predictions and the measurement, so a
-    load that drops or a stretch of easy text reopens it. A probe whose round still predicts that drafting does not
-    pay doubles the wait before the next one (up to `max_probe_interval`), since on text the drafter cannot follow
-    each probe is a draft pass for nothing; a round that pays resets it to `probe_interval`. Verifies are priced
-    padded to their cheapest width within the caps (`drafting_pays` with `max_tokens`).
+    def __init__(self, weight: float):
+        self.weight = weight
+        self.seconds: dict[int, float] = {}
+        self.tokens: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    def add(self, rows: int, seconds: float, tokens: int) -> None:
+        """One round; the first of each row count is left out (a warm-up: first kernels, measuring, allocating)."""
+        self.count[rows] = self.count.get(rows, 0) + 1
+        if self.count[rows] == 1:
+            return
+        w = self.weight if rows in self.seconds else 1.0
+        self.seconds[rows] = (1 - w) * self.seconds.get(rows, 0.0) + w * seconds
+        self.tokens[rows] = (1 - w) * self.tokens.get(rows, 0.0) + w * tokens
+
+    def per_token(self, rows: int) -> float | None:
+        tokens = self.tokens.get(rows)
+        return self.seconds[rows] / tokens if tokens else None
+
+
+class DraftGate:
+    """`drafting_pays` between rounds, checked against measured round times: what a decoding loop asks before each
+    draft pass.
+
+    The prediction: each request's confidences from the last round it drafted (a request that has not drafted yet:
+    the mean of the last drafted round), the draft pass priced at `draft_seconds` (a float or a callable from the
+    number of rows; None measures it per number of rows, smoothed) and the verify at the SPS profile. It drafts
+    anyway while that cost is unknown and after `probe_interval` plain rounds in a row, which refreshes the
+    predictions and the measurement, so a load that drops or a stretch of easy text reopens it. A probe whose round
+    still predicts that drafting does not pay doubles the wait before the next one (up to `max_probe_interval`),
+    since on text the drafter cannot follow each probe is a draft pass for nothing; a round that pays resets it to
+    `probe_interval`. Verifies are priced padded to their cheapest width within the caps (`drafting_pays` with
+    `max_tokens`).
+
+    The measurement (with a measured draft cost, `draft_seconds=None`, and a driver that reports each round's end,
+    `end_round`): the wall time per committed token of drafted rounds and of plain rounds, exponentially weighted
+    (`RoundCosts`, on `clock`). A profile taken on a quiet machine says nothing about a machine that another process
+    now shares, so where drafted rounds measured dearer per token than plain ones, the round is plain whatever the
+    prediction; the probes above re-measure drafting (a drafted round after several plain ones also feeds the drafter
+    their positions, so the round after it is the one measured), and one that measures cheaper than plain keeps the
+    wait at `probe_interval`. While drafting, every `plain_probe_interval`-th round is plain, so that the plain cost
+    it is held against stays current. Which rounds draft never changes the tokens (a plain round is lossless), so the
+    gate may use timing freely.
     """
 
     def __init__(
@@ -196,29 +233,62 @@ class DraftGate:
         draft_seconds: float | Callable[[int], float] | None = None,
         probe_interval: int = 8,
         max_probe_interval: int = 64,
+        plain_probe_interval: int = 32,
+        weight: float = 0.3,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if draft_seconds is not None and not callable(draft_seconds):
             if isinstance(draft_seconds, bool) or not isinstance(draft_seconds, (int, float)) or draft_seconds < 0:
                 raise ValueError(f"`draft_seconds` must be None, seconds >= 0 or a callable, got {draft_seconds!r}.")
-        for name, value in (("probe_interval", probe_interval), ("max_probe_interval", max_probe_interval)):
+        for name, value in (
+            ("probe_interval", probe_interval),
+            ("max_probe_interval", max_probe_interval),
+            ("plain_probe_interval", plain_probe_interval),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
         if max_probe_interval < probe_interval:
             raise ValueError(
                 f"`max_probe_interval` ({max_probe_interval}) must be at least `probe_interval` ({probe_interval})."
             )
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"`weight` must lie in (0, 1], got {weight!r}.")
         self.sps, self.draft_seconds = SPSCurve.of(sps), draft_seconds
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self.plain_probe_interval, self.clock = plain_probe_interval, clock
         self.measured: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
         self.prior: list[float] | None = None
         self.plain_in_a_row = 0
+        self.drafted_in_a_row = 0
         self.wait = probe_interval  # plain rounds before the next probe (backs off while probes fail)
         self.probing = False  # the last drafted round was a probe
+        self.rounds = {True: RoundCosts(weight), False: RoundCosts(weight)}  # drafted / plain rounds
+        self.round: tuple | None = None  # (start, drafted, rows, probe, measured) of the open round
+        self.confirm = False  # the last round drafted after plain ones, unmeasured: draft this one to measure it
+        self.measured_gated = 0  # rounds made plain because drafted rounds measured dearer per token
 
     def should_draft(self, hints: Sequence[Sequence[float] | None], caps: Sequence[int]) -> bool:
         """hints[r]: request r's conditional confidences of its last drafted round (None if it has none);
         caps[r]: drafts it may verify this round. False means: make this round a plain step."""
-        seconds = self.cost(len(hints))
+        start = self.clock()
+        probe = self.plain_in_a_row >= self.wait
+        after_plain = self.plain_in_a_row  # plain rounds since the last drafted one (the drafter catches up on them)
+        confirm, self.confirm = self.confirm, False
+        decision = self._decide(hints, caps, confirm)
+        # a drafted round after several plain ones also feeds their positions to the drafter: not a typical round's
+        # cost, so it is not measured, and the next round drafts too (when predicted to pay) to be measured instead
+        measured = not (decision and after_plain > 1)
+        self.confirm = decision and not measured
+        self.round = (start, decision, len(hints), decision and (probe or confirm), measured)
+        if decision:
+            self.drafted_in_a_row += 1
+        else:
+            self.drafted_in_a_row = 0
+        return decision
+
+    def _decide(self, hints, caps, confirm: bool = False) -> bool:
+        rows = len(hints)
+        seconds = self.cost(rows)
         if seconds is None or self.prior is None:
             return True
         if self.plain_in_a_row >= self.wait:
@@ -226,12 +296,42 @@ class DraftGate:
             return True
         predicted = [(self.prior if hint is None else hint)[:cap] for hint, cap in zip(hints, caps)]
         if drafting_pays(predicted, self.sps, seconds, max_tokens=len(caps) + sum(caps)):
-            self.wait, self.probing = self.probe_interval, False
-            return True
+            if confirm:  # measure the round after a probe; the probe's outcome is decided after it
+                return True
+            if not self._measured_dearer(rows):
+                self.wait, self.probing = self.probe_interval, False
+                return True
+            self.measured_gated += 1
         if self.probing:  # the probe found nothing worth drafting: wait longer for the next one
             self.wait, self.probing = min(2 * self.wait, self.max_probe_interval), False
         self.plain_in_a_row += 1
         return False
+
+    def _measured_dearer(self, rows: int) -> bool:
+        """Whether measured round times say this round should be plain: drafted rounds dearer per token than plain
+        ones, or a plain round due to keep the plain cost current (only with the measured draft cost)."""
+        if self.draft_seconds is not None:
+            return False
+        drafted, plain = self.rounds[True].per_token(rows), self.rounds[False].per_token(rows)
+        if drafted is None:
+            return False
+        if plain is None or self.drafted_in_a_row >= self.plain_probe_interval:
+            return True  # a plain round to measure (or re-measure) what drafting is held against
+        return drafted > plain
+
+    def end_round(self, tokens: int) -> None:
+        """After the round that `should_draft` opened: how many tokens it committed over all rows."""
+        if self.round is None:
+            return
+        start, drafted, rows, probe, measured = self.round
+        self.round = None
+        seconds = self.clock() - start
+        if not measured:
+            return
+        self.rounds[drafted].add(rows, seconds, tokens)
+        plain = self.rounds[False].per_token(rows)
+        if probe and plain is not None and seconds / max(tokens, 1) <= plain:
+            self.wait, self.probing = self.probe_interval, False  # the probe measured cheaper: look again soon
 
     def cost(self, n_rows: int) -> float | None:
         if self.draft_seconds is None:
@@ -239,7 +339,8 @@ class DraftGate:
         return float(self.draft_seconds(n_rows) if callable(self.draft_seconds) else self.draft_seconds)
 
     def record(self, seconds: float, confidences: Sequence[Sequence[float]]) -> None:
-        """After a drafted round: its wall time and every row's conditional confidences (the new hints)."""
+        """After a drafted round's draft pass: its wall time and every row's conditional confidences (the new
+        hints)."""
         previous = self.measured.get(len(confidences))
         self.measured[len(confidences)] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
         columns = itertools.zip_longest(*confidences)
@@ -259,6 +360,7 @@ def conditional_confidences(survival: Sequence[float]) -> list[float]:
 
 __all__ = [
     "DraftGate",
+    "RoundCosts",
     "SPSCurve",
     "conditional_confidences",
     "drafting_pays",

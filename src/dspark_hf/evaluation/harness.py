@@ -8,12 +8,12 @@ this package's decoders, the timed `generate()` calls of one of transformers' ow
 At T = 0 every output must equal plain greedy's, token for token; at T > 0 (sampling with a fixed seed per prompt)
 losslessness is distributional, so only speed and acceptance are reported.
 
-The kernel-neutral baseline: on a CPU whose float32 one-row products are slow next to few-row ones (see
-`verify_head`), part of any speedup over plain decoding is the kernel, not speculation. Where the target's verifies
-use the few-rows products, each prompt is also decoded plainly with every step padded to two rows
-(`verify_head.padded_steps`), and every run reports `speedup_vs_padded` beside `speedup`: what speculation itself buys.
-The baseline is the faster of the two: where the kernels lose (verifies then run without them), it is plain
-decoding.
+The kernel-neutral baseline: on a CPU where the verify kernels run a step faster than transformers' own linears (see
+`verify_linears`), part of any speedup over plain decoding is the kernel, not speculation. Where the target's verifies
+can use them, each prompt is also decoded plainly with every one-token step through the kernels measured for this
+machine (`verify_linears.measured_steps`: what a gated plain round costs; the JSON keys keep their old name,
+"padded"), and every run reports `speedup_vs_padded` beside `speedup`: what speculation itself buys. The baseline is
+the faster of the two.
 
 Draft latency against block length: each drafter proposes exactly L drafts per round (`fixed_draft_length`) on one
 prompt for every L, timed in real decoding rounds the same way for all: an autoregressive drafter pays one forward
@@ -37,7 +37,7 @@ from transformers.utils import logging
 
 from ..decoding.drafting import is_drafter
 from ..decoding.stats import DraftRound, DSparkGenerationStats, record_draft_rounds
-from ..kernels import verify_head
+from ..kernels import verify_head, verify_linears
 from ..kernels.packed_linear import inference_dtype
 from ..utils.prompts import encode
 
@@ -76,12 +76,13 @@ class RoundLog(list):
 
 def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False):
     """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`);
-    `padded`: plain decoding with 2-row steps (`verify_head.padded_steps`)."""
+    `padded`: plain decoding with the verify kernels' one-token steps (`verify_linears.measured_steps`, the linears
+    the way measured on this machine, as a decode loop's plain round runs them)."""
     if temperature:
         torch.manual_seed(seed)
     if hasattr(assistant, "generation_stats"):
         assistant.generation_stats = None  # never read the previous call's
-    steps = verify_head.padded_steps(target) if padded else contextlib.nullcontext()
+    steps = verify_linears.measured_steps(target) if padded else contextlib.nullcontext()
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
         called = time.perf_counter()
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **generation_kwargs(temperature))
@@ -248,8 +249,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "tokens_per_second_plain": plain_tps,
         "speedup": tps / plain_tps if plain_tps else 0.0,
         "tokens_per_second_padded": padded_tps,
-        # the kernel-neutral baseline: the faster of plain and padded plain (where the verify kernels lose, as
-        # `verify_head.KernelChoice` finds on some CPUs, 2-row steps are slower and plain decoding is the baseline)
+        # the kernel-neutral baseline: the faster of plain and plain with the measured kernels (`measured_steps`)
         "speedup_vs_padded": tps / max(padded_tps, plain_tps) if padded_tps else None,
         "draft_ms_per_round": statistics.fmean(draft_ms) if draft_ms else None,
         "draft_ms_per_round_median": statistics.median(draft_ms) if draft_ms else None,

@@ -29,6 +29,7 @@ MODULES = (
     "kernels.packed_linear",
     "kernels.verify_attention",
     "kernels.verify_head",
+    "kernels.verify_linears",
     "models.configuration_dspark",
     "models.configuration_eagle3",
     "models.heads",

@@ -14,8 +14,10 @@ bf16 linears (oneDNN) and GPU linears do not have the problem, and are left alon
 `VerifyLinear`s that compute `MIN_ROWS..max_rows` rows with `few_rows.linear_few_rows` (`max_rows` is `MAX_ROWS_HEAD`
 for the LM head, `MAX_ROWS` for the other linears), and an "sdpa" target's attention reads its key/value cache
 unrepeated (`verify_attention.py`). On leaving it, normally or by an exception, every module class and the config are
-exactly what they were: nothing is left on the user's model between passes. The two products agree to float rounding
-(the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False` to turn it off.
+exactly what they were: nothing is left on the user's model between passes. The two products agree to float
+rounding (the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False` to
+turn it off. Whether a verify of n rows runs these products, oneDNN's packed weights or transformers' own linears is
+measured per machine (`verify_linears.py`).
 
 `padded_steps(model)` is the kernel-neutral baseline that `dspark-hf bench` sets beside plain decoding: within it,
 every one-token decoding step of `generate()` runs as two rows (the token twice, the second copy cropped from the
@@ -24,9 +26,6 @@ speculation itself buys on such a CPU.
 """
 
 import contextlib
-import statistics
-import time
-import weakref
 
 import torch
 from torch import nn
@@ -38,9 +37,9 @@ from .weights import computes_with_weight
 
 
 ENABLED = True
-MEASURE = True  # decode loops keep the kernels only at row counts where their own verifies ran faster with them
-TRIALS = 3  # verifies timed with and without the kernels, per row count, before the choice is made
-VERSION = 3  # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear, 3 = and sdpa's GQA unrepeated
+# recorded in SPS profiles: 1 = the LM head alone, 2 = every linear, 3 = and sdpa's GQA unrepeated, 4 = the way of
+# every linear measured per machine and row count (`verify_linears`: packed, few rows or `F.linear`)
+VERSION = 4
 MIN_ROWS = 2
 MAX_ROWS_HEAD = 8  # the LM head: no gain beyond 8 rows on 1 thread (docs/history.md, "The verify LM head")
 MAX_ROWS = 5  # the layers' projections: slower from 6 rows on 1 thread
@@ -90,8 +89,9 @@ def eligible(model) -> bool:
 
 
 def version(model) -> int:
-    """The verify kernels this model's verifies run with, which SPS profiles record: 0 when the few-rows products do
-    not apply, `VERSION` when its attention is routed as well (`verify_attention.routable`), else 2."""
+    """The verify kernels this model's verifies run with, which SPS profiles record: 0 when no linear of it can run
+    another way than `nn.Linear`'s, `VERSION` (linears the way measured per machine, `verify_linears`) when its
+    attention is routed as well (`verify_attention.routable`), else 2."""
     if not (ENABLED and eligible(model)):
         return 0
     return VERSION if verify_attention.ENABLED and routable(model) else 2
@@ -118,68 +118,6 @@ def verify_kernels(model, linears: list[nn.Linear] | None = None):
     finally:
         for module in swapped:
             object.__setattr__(module, "__class__", nn.Linear)
-
-
-def measured(rows: int) -> bool:
-    """Whether verifies of `rows` rows are timed with and without the kernels (where the products can act)."""
-    return MEASURE and MIN_ROWS <= rows <= MAX_ROWS_HEAD
-
-
-class KernelChoice:
-    """Whether the verify kernels pay on this machine, per row count of a verify pass, measured on the verify passes
-    themselves: the few-rows products win by several times on some CPUs and lose on others (docs/results.md).
-
-    The first `TRIALS` passes at a row count alternate with and without the kernels (with first); from then on the
-    side with the lower median time is kept. Row counts where the products never apply (above `MAX_ROWS_HEAD`) keep
-    the kernels without a trial (only the attention routing acts there). `kernel_choice(model)` holds one per target
-    for as long as the target lives, beside it rather than on it.
-    """
-
-    def __init__(self, trials: int = TRIALS):
-        self.trials = trials
-        self.seconds: dict[int, dict[bool, list[float]]] = {}  # rows -> {with kernels: [s], without: [s]}
-        self.chosen: dict[int, bool] = {}  # rows -> whether verifies with that many rows use the kernels
-
-    def use(self, rows: int) -> bool:
-        """Whether the next verify of `rows` rows runs with the kernels."""
-        if rows in self.chosen:
-            return self.chosen[rows]
-        if not measured(rows):
-            return True
-        times = self.seconds.setdefault(rows, {True: [], False: []})
-        return len(times[True]) <= len(times[False])
-
-    def record(self, rows: int, used: bool, seconds: float) -> None:
-        """The time of a verify of `rows` rows run `use(rows)`'s way."""
-        if rows in self.chosen or rows not in self.seconds:
-            return
-        times = self.seconds[rows]
-        times[used].append(seconds)
-        if min(len(times[True]), len(times[False])) >= self.trials:
-            self.chosen[rows] = statistics.median(times[True]) < statistics.median(times[False])
-
-    @contextlib.contextmanager
-    def verify(self, model, rows: int, linears: list[nn.Linear] | None = None):
-        """`verify_kernels(model, linears)` where `use(rows)` says so, timing the block for `record`. Without the
-        products the attention is still routed (`verify_attention.routed`): reading the key/value heads unrepeated
-        is never slower, and over a long cache it halves a verify (an 8-token verify over 8k positions: 362 -> 182
-        ms, docs/long_context.md), so only the products are chosen by measurement."""
-        used = ENABLED and self.use(rows)
-        start = time.perf_counter()
-        with verify_kernels(model, linears) if used else routed(model):
-            yield
-        self.record(rows, used, time.perf_counter() - start)
-
-
-_CHOICES: "weakref.WeakKeyDictionary[nn.Module, KernelChoice]" = weakref.WeakKeyDictionary()
-
-
-def kernel_choice(model) -> KernelChoice:
-    """The `KernelChoice` of `model`'s verify passes (kept beside the model while it lives, never on it)."""
-    choice = _CHOICES.get(model)
-    if choice is None:
-        choice = _CHOICES[model] = KernelChoice()
-    return choice
 
 
 def _pad_step(kwargs: dict) -> bool:
@@ -246,13 +184,10 @@ def padded_steps(model):
 
 
 __all__ = [
-    "KernelChoice",
     "VerifyHead",
     "VerifyLinear",
     "eligible",
     "eligible_linears",
-    "kernel_choice",
-    "measured",
     "padded_steps",
     "verify_kernels",
     "version",

@@ -1,0 +1,468 @@
+"""The target's linears in verify passes and plain steps, chosen per machine by measurement: oneDNN's packed weights
+(siblings fused, rows padded to the cheapest count), the few-row products, or transformers' own `F.linear`.
+
+A decoding step reads every weight of the target once, whatever its width: SmolLM2-135M reads 538 MB of float32
+weights a step, 16 ms at the 33 GB/s a 2-core AMD EPYC streams. How close a step of 1–16 tokens comes to that floor
+depends on the CPU's BLAS: torch's float32 `F.linear` took 61 ms for one token there, 90–100 ms for 2–8. oneDNN's
+prepacked weights (the layout `torch.ops.mkldnn._reorder_linear_weight` makes, what inductor uses for CPU linears)
+run 1–16 rows at 1.1–1.6x the floor, and siblings fed the same input (q/k/v, gate/up) as one product save a call each.
+Some row counts run faster padded to a wider one (oneDNN picks its kernel by row count: 2 rows cost more than 4 on
+that CPU), so a product of n rows runs as the cheapest measured count at or above n, zero rows added.
+
+Nothing is assumed about the machine: `measure(target)` times one pass over the target's linears per row count and
+way, and `KernelTable.choose` keeps, per row count, the fastest of "linear" (transformers' own), "few rows"
+(`verify_head`) and "packed". `VerifyKernels` (one per target, beside it: `kernel_choice(target)`) holds the table,
+measured on first use or read from a matching SPS profile (`profiling.py` stores it there), and scopes each verify
+pass: `with kernels.verify(target, rows):`.
+
+Memory: the packed copies (`TargetPacks`) are a second copy of every packed weight (538 MB for SmolLM2-135M in float32,
+`TargetPacks.nbytes`), made on the first packed verify and kept beside the target for as long as it lives (never on
+it: a packed tensor has no storage, the model must stay picklable), rebuilt when a weight changes, and freed by
+`free_packs(target)` or with the target. Set `ENABLED = False` to never pack. The user's modules are class-swapped only
+inside a verify pass and restored on exit, also after an exception.
+
+Which linears: `verify_head.eligible_linears` (plain float32 CPU `nn.Linear`s), the one eligibility check.
+"""
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from . import verify_head
+from .few_rows import version_counter
+from .packed_linear import _check_available
+from .verify_attention import routed
+from .verify_head import eligible_linears, verify_kernels
+
+
+logger = logging.get_logger(__name__)
+
+ENABLED = True
+FORCE: str | None = None  # one of `WAYS` for every verify instead of the measured choice (tests, benchmarks)
+BATCH_HINT = 8  # the row count oneDNN tunes the packed layout for (1–16 rows measured alike with 4, 8 and 16)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)  # row counts `measure` times; others take the next one above
+WAYS = ("linear", "few rows", "packed")
+REPEATS = 2  # timed passes per (row count, way) after one untimed; the fastest counts
+
+
+# -- packed copies ------------------------------------------------------------------------------------------------
+
+
+class _Group:
+    """Linears of one parent fed the same input (q/k/v, gate/up, or one linear alone): one packed product for all,
+    split back per member. A member called with another input than the group's last computes the group again."""
+
+    def __init__(self, members: list[nn.Linear]):
+        self.members = members
+        self.sizes = [m.out_features for m in members]
+        self.packed: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.key: tuple | None = None
+        self.stash: tuple | None = None  # (input, its version, {member index: output}) for the other members
+
+    def _key(self) -> tuple:
+        return tuple((m.weight, m.weight.data_ptr(), version_counter(m.weight)) for m in self.members)
+
+    def fresh(self) -> bool:
+        key = self._key()
+        return self.key is not None and all(a[0] is b[0] and a[1:] == b[1:] for a, b in zip(key, self.key))
+
+    def pack(self) -> None:
+        weights = [m.weight.detach() for m in self.members]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        biases = [m.bias for m in self.members]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.key = self._key()
+
+    def product(self, x: torch.Tensor, pad_to: int) -> torch.Tensor:
+        """(rows, in) -> (rows, sum of outs), through the packed weight, run as `pad_to` rows where that is more."""
+        rows = x.shape[0]
+        if pad_to > rows:
+            x = torch.cat([x, x.new_zeros(pad_to - rows, x.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out[:rows] if pad_to > rows else out
+
+    def output(self, index: int, x: torch.Tensor, pad_to: int) -> torch.Tensor:
+        stash = self.stash
+        if stash is not None and stash[0] is x and stash[1] == version_counter(x) and index in stash[2]:
+            return stash[2].pop(index)
+        rows = x.numel() // x.shape[-1]
+        out = self.product(x.reshape(rows, x.shape[-1]), pad_to)
+        if len(self.members) == 1:
+            self.stash = None
+            return out.reshape(*x.shape[:-1], -1)
+        parts = [p.contiguous().reshape(*x.shape[:-1], -1) for p in out.split(self.sizes, dim=-1)]
+        self.stash = (x, version_counter(x), {i: p for i, p in enumerate(parts) if i != index})
+        return parts[index]
+
+
+# Sibling linears that models feed the same input (by attribute name): packed as one product. A guess that is wrong
+# for some model only costs time: a member called with another input than its group's last computes the group again.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"), ("w1", "w3"))
+
+
+class TargetPacks:
+    """The packed weight copies of one target's linears (see the module docstring for their memory cost)."""
+
+    def __init__(self, groups: list[list[nn.Linear]]):
+        self.groups = [_Group(members) for members in groups]
+        self.index = {id(m): (g, i) for g in self.groups for i, m in enumerate(g.members)}
+
+    @classmethod
+    def of(cls, model: nn.Module, linears: list[nn.Linear] | None = None) -> "TargetPacks":
+        """Every linear of `linears` (default: `eligible_linears(model)`) in a group: its `SIBLINGS` under the same
+        parent with the same input width and bias presence, else alone."""
+        linears = eligible_linears(model) if linears is None else linears
+        wanted, grouped, groups = {id(m) for m in linears}, set(), []
+        for parent in model.modules():
+            children = dict(parent.named_children())
+            for names in SIBLINGS:
+                members = [children.get(name) for name in names]
+                if all(m is not None and id(m) in wanted and id(m) not in grouped for m in members):
+                    if len({(m.in_features, m.bias is None) for m in members}) == 1:
+                        groups.append(members)
+                        grouped.update(id(m) for m in members)
+        groups += [[m] for m in linears if id(m) not in grouped]
+        return cls(groups)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copies made so far (each the size of its weights)."""
+        return sum(sum(m.weight.numel() * m.weight.element_size() for m in g.members) for g in self.groups if g.key)
+
+    def refresh(self) -> None:
+        """Pack what is not packed yet or whose weights changed (another tensor, an in-place update)."""
+        for group in self.groups:
+            if not group.fresh():
+                group.packed = None  # drop the stale copy before making the new one
+                group.pack()
+
+    def clear(self) -> None:
+        for group in self.groups:
+            group.stash = None
+
+    @contextlib.contextmanager
+    def scope(self, model: nn.Module, pad_to: int = 0):
+        """Within the block the linears compute through the packed copies, each product run as at least `pad_to`
+        rows, and an "sdpa" model attends on its unrepeated cache (`verify_attention`); undone on exit."""
+        self.refresh()
+        modules = [m for g in self.groups for m in g.members if type(m) is nn.Linear]
+        for module in modules:
+            _ACTIVE[id(module)] = (self, pad_to)
+            object.__setattr__(module, "__class__", PackedVerifyLinear)
+        try:
+            with routed(model):
+                yield
+        finally:
+            for module in modules:
+                object.__setattr__(module, "__class__", nn.Linear)
+                _ACTIVE.pop(id(module), None)
+            self.clear()
+
+
+_ACTIVE: dict[int, tuple[TargetPacks, int]] = {}  # id(module) -> (its packs, rows to pad to), inside a scope only
+
+
+class PackedVerifyLinear(nn.Linear):
+    """An `nn.Linear` inside `TargetPacks.scope`: its product comes from its group's packed weight."""
+
+    computes_as_linear = True  # the same product as `nn.Linear` (modeling_dspark's `_plain_linear` reads this)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        active = _ACTIVE.get(id(self))
+        if active is None or x.dtype != self.weight.dtype or torch.is_grad_enabled():
+            return nn.functional.linear(x, self.weight, self.bias)
+        packs, pad_to = active
+        group, index = packs.index[id(self)]
+        return group.output(index, x, pad_to)
+
+
+_PACKS: "weakref.WeakKeyDictionary[nn.Module, TargetPacks]" = weakref.WeakKeyDictionary()
+
+
+def packs_for(model: nn.Module, linears: list[nn.Linear] | None = None) -> TargetPacks:
+    """The `TargetPacks` of `model`, kept beside it while it lives (copies are made on first use)."""
+    packs = _PACKS.get(model)
+    if packs is None:
+        packs = _PACKS[model] = TargetPacks.of(model, linears)
+    return packs
+
+
+def free_packs(model: nn.Module) -> int:
+    """Drop `model`'s packed copies; returns the bytes freed. The next packed verify makes them again."""
+    packs = _PACKS.pop(model, None)
+    return packs.nbytes if packs is not None else 0
+
+
+def packable(model: nn.Module, linears: list[nn.Linear] | None = None) -> bool:
+    """Whether packed verifies can run here: enabled, oneDNN's operators present, float32 CPU linears to pack."""
+    linears = eligible_linears(model) if linears is None else linears
+    return ENABLED and bool(linears) and _check_available()
+
+
+# -- the measured choice ------------------------------------------------------------------------------------------
+
+
+class KernelTable:
+    """Per row count: how the target's linears run (`WAYS`) and, for "packed", the row count to pad to.
+
+    `ms[way][rows]`: one pass over the target's linears, measured; `choose` keeps the fastest way per row count,
+    "packed" priced at the cheapest measured row count at or above (it can be padded to it).
+    """
+
+    def __init__(self, choice: dict[int, tuple[str, int]], ms: dict[str, dict[int, float]] | None = None):
+        self.choice = dict(sorted(choice.items()))
+        self.ms = ms or {}
+
+    @classmethod
+    def choose(cls, ms: dict[str, dict[int, float]]) -> "KernelTable":
+        rows_measured = sorted({r for table in ms.values() for r in table})
+        packed = ms.get("packed", {})
+        choice = {}
+        for rows in rows_measured:
+            options = [(ms[way][rows], way, rows) for way in ("linear", "few rows") if rows in ms.get(way, {})]
+            wider = [(t, r) for r, t in packed.items() if r >= rows]
+            if wider:
+                seconds, pad = min(wider)
+                options.append((seconds, "packed", pad))
+            if options:
+                _, way, pad = min(options, key=lambda o: (o[0], WAYS.index(o[1])))
+                choice[rows] = (way, pad)
+        return cls(choice, ms)
+
+    def way(self, rows: int) -> tuple[str, int]:
+        """(way, rows to pad to) for a pass of `rows` rows; unmeasured counts take the next measured one's way
+        unpadded; beyond the widest measured, transformers' own linears."""
+        if rows in self.choice:
+            return self.choice[rows]
+        above = [r for r in self.choice if r > rows]
+        if not above:
+            return ("linear", rows)
+        return (self.choice[min(above)][0], rows)
+
+    def to_json(self) -> dict:
+        return {
+            "choice": {str(r): [way, pad] for r, (way, pad) in self.choice.items()},
+            "ms": {way: {str(r): round(t, 3) for r, t in table.items()} for way, table in self.ms.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "KernelTable":
+        choice = {}
+        for rows, (way, pad) in data["choice"].items():
+            if way not in WAYS or int(pad) < int(rows):
+                raise ValueError(f"kernel choice {rows}: {[way, pad]} is not one of {WAYS} padded to >= rows")
+            choice[int(rows)] = (way, int(pad))
+        ms = {way: {int(r): float(t) for r, t in table.items()} for way, table in data.get("ms", {}).items()}
+        return cls(choice, ms)
+
+
+@torch.no_grad()
+def measure(
+    model: nn.Module,
+    linears: list[nn.Linear] | None = None,
+    rows: Iterable[int] = ROWS,
+    repeats: int = REPEATS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> KernelTable:
+    """Time one pass over the model's linears (random rows, own generator) per row count and way; the fastest of
+    `repeats` after an untimed one counts. "few rows" is timed where its products act (`verify_head`), "packed"
+    where the operators exist (the copies are made here, once)."""
+    linears = eligible_linears(model) if linears is None else linears
+    if not linears:
+        return KernelTable({})
+    generator = torch.Generator().manual_seed(0)
+    widths = sorted({m.in_features for m in linears})
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    packs = packs_for(model, linears) if packable(model, linears) else None
+    if packs is not None:
+        packs.refresh()
+    ms: dict[str, dict[int, float]] = {way: {} for way in WAYS}
+    for n in sorted(set(rows)):
+        inputs = {w: torch.randn(n, w, generator=generator) for w in widths}
+        ways = ["linear"]
+        if verify_head.ENABLED and verify_head.MIN_ROWS <= n <= verify_head.MAX_ROWS_HEAD:
+            ways.append("few rows")
+        if packs is not None:
+            ways.append("packed")
+        for way in ways:
+            times = []
+            for i in range(repeats + 1):
+                start = clock()
+                _one_pass(way, inputs, linears, head, packs)
+                if i:
+                    times.append(clock() - start)
+            ms[way][n] = 1e3 * min(times)
+    return KernelTable.choose({way: table for way, table in ms.items() if table})
+
+
+def _one_pass(way: str, inputs: dict, linears: list[nn.Linear], head, packs: TargetPacks | None) -> None:
+    """Every linear of the target called once on `inputs[in_features]`, through the module call a verify makes in
+    the `way`'s scope (so the measurement includes each way's per-call overhead, and fused siblings share a call)."""
+    model = _Linears(linears, head)
+    if way == "packed":
+        scope = packs.scope(model)
+    elif way == "few rows":
+        scope = verify_kernels(model, linears)
+    else:
+        scope = contextlib.nullcontext()
+    with scope:
+        for m in linears:
+            m(inputs[m.in_features])
+
+
+class _Linears(nn.Module):
+    """A stand-in model for `_one_pass`'s scopes: no config (nothing to route), the LM head as its output layer."""
+
+    def __init__(self, linears, head):
+        super().__init__()
+        object.__setattr__(self, "_head", head)  # not registered: the user's modules stay where they are
+
+    def get_output_embeddings(self):
+        return self._head
+
+
+class VerifyKernels:
+    """How one target's verify passes (and plain steps in a decode loop) run on this machine: a `KernelTable`,
+    measured on first use (`measure`) unless set from a matching profile (`profiling.sps_for`), kept up to date as
+    it runs.
+
+    The table is measured on a quiet machine; another process on the same cores changes which way is fastest
+    (oneDNN's many small calls wait on busy threads longer than transformers' own products). So each verify is
+    timed, per row count and way (exponentially weighted, `weight`; each way's first verify, which may pack the
+    weights, left out), every `retry`-th verify at a row count runs the other way (the table's, or
+    transformers' own `F.linear`), and the way with the lower measured time is used.
+    """
+
+    def __init__(
+        self,
+        table: KernelTable | None = None,
+        retry: int = 16,
+        weight: float = 0.3,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.table, self.retry, self.weight, self.clock = table, retry, weight, clock
+        self.seconds: dict[tuple[int, str], float] = {}  # (rows, way) -> smoothed seconds of a verify
+        self.seen: dict[tuple[int, str], int] = {}
+        self.verifies: dict[int, int] = {}
+
+    def ensure(self, model: nn.Module, linears: list[nn.Linear] | None = None) -> KernelTable:
+        if self.table is None:
+            start = time.perf_counter()
+            self.table = measure(model, linears)
+            logger.info(
+                f"Measured the target's verify kernels in {time.perf_counter() - start:.1f} s: "
+                f"{ {r: w for r, (w, _) in self.table.choice.items()} }"
+            )
+        return self.table
+
+    def pick(self, rows: int, way: str) -> str:
+        """The way this verify of `rows` rows runs: the table's `way` or `F.linear`, whichever measured faster
+        lately, and every `retry`-th verify the other one."""
+        n = self.verifies.get(rows, 0)
+        self.verifies[rows] = n + 1
+        if way == "linear":
+            return way
+        mine, other = self.seconds.get((rows, way)), self.seconds.get((rows, "linear"))
+        best = "linear" if mine is not None and other is not None and other < mine else way
+        if n % self.retry == self.retry - 1:
+            return way if best == "linear" else "linear"
+        return best
+
+    def record(self, rows: int, way: str, seconds: float) -> None:
+        key = (rows, way)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] == 1:
+            return  # a warm-up (packing the weights, first kernels)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    @contextlib.contextmanager
+    def verify(self, model: nn.Module, rows: int, linears: list[nn.Linear] | None = None):
+        """One forward of `rows` rows through the target, its linears the measured way."""
+        if FORCE is not None:
+            way, pad = FORCE, rows
+        else:
+            way, pad = self.ensure(model, linears).way(rows) if verify_head.ENABLED else ("linear", rows)
+            way = self.pick(rows, way) if verify_head.ENABLED else way
+        if way == "packed" and not packable(model, linears):
+            way = "linear"
+        start = self.clock()
+        if way == "packed":
+            with packs_for(model, linears).scope(model, pad):
+                yield
+        elif way == "few rows":
+            with verify_kernels(model, linears):
+                yield
+        else:
+            with routed(model):
+                yield
+        if FORCE is None:
+            self.record(rows, way, self.clock() - start)
+
+
+_CHOICES: "weakref.WeakKeyDictionary[nn.Module, VerifyKernels]" = weakref.WeakKeyDictionary()
+
+
+def kernel_choice(model: nn.Module) -> VerifyKernels:
+    """The `VerifyKernels` of `model` (kept beside the model while it lives, never on it)."""
+    choice = _CHOICES.get(model)
+    if choice is None:
+        choice = _CHOICES[model] = VerifyKernels()
+    return choice
+
+
+@contextlib.contextmanager
+def measured_steps(model: nn.Module):
+    """Within the block, every one-token decoding step of `model.generate()` (a keyword call with a filled cache)
+    runs its linears the way measured for its rows (`kernel_choice`), as a plain round of a decode loop does: plain
+    decoding at the verify kernels' speed, the kernel-neutral baseline of `dspark-hf bench`. Same tokens up to float
+    rounding; the hooks are removed on exit."""
+    choice, linears = kernel_choice(model), eligible_linears(model)
+    state: dict = {"scope": None}
+
+    def enter(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if args or ids is None or ids.shape[-1] != 1 or cache is None or cache.get_seq_length() == 0:
+            return None
+        state["scope"] = contextlib.ExitStack()
+        state["scope"].enter_context(choice.verify(model, ids.numel(), linears))
+        return None
+
+    def leave(module, args, kwargs, output):
+        if state["scope"] is not None:
+            state["scope"].close()
+            state["scope"] = None
+
+    handles = [
+        model.register_forward_pre_hook(enter, with_kwargs=True),
+        model.register_forward_hook(leave, with_kwargs=True),
+    ]
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        if state["scope"] is not None:  # a forward raised between the two hooks
+            state["scope"].close()
+
+
+__all__ = [
+    "KernelTable",
+    "PackedVerifyLinear",
+    "TargetPacks",
+    "VerifyKernels",
+    "free_packs",
+    "kernel_choice",
+    "measure",
+    "measured_steps",
+    "packable",
+    "packs_for",
+]

@@ -1,0 +1,156 @@
+"""The target's linears in verify passes, chosen per machine (`verify_linears`): packed copies beside the target,
+the choice by measurement (clock injected), the same values and lossless decoding."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_drafter, make_target
+from dspark_hf.kernels import verify_linears
+from dspark_hf.kernels.verify_attention import ATTN_IMPLEMENTATION
+from dspark_hf.kernels.verify_linears import (
+    KernelTable,
+    PackedVerifyLinear,
+    VerifyKernels,
+    free_packs,
+    kernel_choice,
+    measure,
+    packable,
+    packs_for,
+)
+
+
+needs_packing = pytest.mark.skipif(not packable(make_target()), reason="oneDNN's packed operators unavailable")
+
+
+def test_choice_keeps_the_fastest_way_and_pads_packed_rows_to_a_cheaper_count():
+    ms = {
+        "linear": {1: 10.0, 2: 30.0, 4: 30.0, 8: 35.0},
+        "few rows": {2: 12.0, 4: 20.0, 8: 40.0},
+        "packed": {1: 11.0, 2: 16.0, 4: 9.0, 8: 25.0},
+    }
+    table = KernelTable.choose(ms)
+    assert table.choice == {1: ("packed", 4), 2: ("packed", 4), 4: ("packed", 4), 8: ("packed", 8)}
+    ms["packed"] = {1: 11.0, 2: 16.0, 4: 15.0, 8: 25.0}
+    table = KernelTable.choose(ms)
+    assert table.choice == {1: ("linear", 1), 2: ("few rows", 2), 4: ("packed", 4), 8: ("packed", 8)}
+    assert table.way(3) == ("packed", 3)  # unmeasured: the next measured count's way, unpadded
+    assert table.way(9) == ("linear", 9)  # beyond the widest measured: transformers' own
+    again = KernelTable.from_json(table.to_json())
+    assert again.choice == table.choice and again.ms == ms
+    with pytest.raises(ValueError, match="padded"):
+        KernelTable.from_json({"choice": {"4": ["packed", 2]}})
+    with pytest.raises(ValueError, match="one of"):
+        KernelTable.from_json({"choice": {"4": ["magic", 4]}})
+
+
+def test_measure_times_each_way_per_row_count_with_the_injected_clock(monkeypatch):
+    """A fake clock that each pass advances by a cost of (way, rows): the table follows those costs exactly."""
+    now = [0.0]
+    cost = {"linear": lambda n: 1.0 + n, "few rows": lambda n: 0.5 + 2 * n, "packed": lambda n: 4.0 - min(n, 3)}
+    seen = []
+
+    def fake_pass(way, inputs, linears, head, packs):
+        rows = next(iter(inputs.values())).shape[0]
+        seen.append((way, rows))
+        now[0] += cost[way](rows)
+
+    monkeypatch.setattr(verify_linears, "_one_pass", fake_pass)
+    target = make_target()
+    table = measure(target, rows=(1, 2, 3, 6), repeats=2, clock=lambda: now[0])
+    ways = {(w, n) for w, n in seen}
+    assert ("few rows", 1) not in ways and ("few rows", 2) in ways  # few rows only where its products act
+    assert all(seen.count(case) == 3 for case in ways)  # one untimed pass, then `repeats`
+    assert table.ms["linear"] == {1: 2000.0, 2: 3000.0, 3: 4000.0, 6: 7000.0}
+    if packable(target):
+        assert table.choice == {1: ("packed", 3), 2: ("packed", 3), 3: ("packed", 3), 6: ("packed", 6)}
+    else:
+        assert table.choice == {1: ("linear", 1), 2: ("few rows", 2), 3: ("linear", 3), 6: ("linear", 6)}
+
+
+@needs_packing
+def test_packed_scope_gives_the_same_logits_and_leaves_the_target_as_found():
+    target = make_target(attn_implementation="sdpa")
+    ids = torch.randint(0, 99, (2, 6))
+    with torch.no_grad():
+        expected = target(ids).logits
+        packs = packs_for(target)
+        linears = [m for m in target.modules() if type(m) is nn.Linear]
+        sizes = sorted(len(g.members) for g in packs.groups)
+        assert sizes == [1] * (1 + 2 * 4) + [2] * 4 + [3] * 4  # q/k/v and gate/up fused per layer; o, down, head
+        for pad in (0, 16):
+            with packs.scope(target, pad):
+                assert all(type(m) is PackedVerifyLinear for m in linears)
+                assert target.config._attn_implementation == ATTN_IMPLEMENTATION
+                got = target(ids).logits
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert all(type(m) is nn.Linear for m in linears) and target.config._attn_implementation == "sdpa"
+    assert packs.nbytes == sum(m.weight.numel() * 4 for m in linears)  # the stated memory cost: one more copy
+    assert not any(isinstance(v, torch.Tensor) and v.is_mkldnn for v in vars(target).values())
+    assert free_packs(target) == packs.nbytes and packs_for(target) is not packs
+
+
+@needs_packing
+def test_packed_copies_follow_weight_updates():
+    target = make_target()
+    ids = torch.randint(0, 99, (1, 4))
+    packs = packs_for(target)
+    with torch.no_grad():
+        with packs.scope(target):
+            target(ids)
+        target.lm_head.weight.mul_(2.0)  # an in-place update (an optimizer step, a user's edit)
+        expected = target(ids).logits
+        with packs.scope(target):
+            got = target(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+@pytest.mark.parametrize("batch", [1, 3])
+def test_generate_with_packed_verifies_is_identical_to_plain_greedy(monkeypatch, batch):
+    monkeypatch.setattr(verify_linears, "FORCE", "packed")
+    target = make_target(attn_implementation="sdpa")
+    drafter = make_drafter(target, verify_policy="fixed")
+    ids = torch.randint(0, 99, (batch, 7))
+    plain = target.generate(ids, do_sample=False, max_new_tokens=30)
+    out = target.generate(ids, do_sample=False, max_new_tokens=30, assistant_model=drafter)
+    assert torch.equal(out, plain)
+    assert all(type(m) is nn.Linear for m in target.modules() if isinstance(m, nn.Linear))
+    assert packs_for(target).nbytes > 0  # the copies stay beside the target for the next call
+
+
+def test_a_measured_choice_is_kept_per_target_and_used_by_decode_loops(monkeypatch):
+    target = make_target()
+    choice = kernel_choice(target)
+    assert kernel_choice(target) is choice and kernel_choice(make_target()) is not choice
+    choice.table = KernelTable({r: ("linear", r) for r in range(1, 40)})
+    drafter = make_drafter(target, verify_policy="fixed")
+    ids = torch.randint(0, 99, (1, 5))
+    plain = target.generate(ids, do_sample=False, max_new_tokens=12)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again although the target has a table")
+
+    monkeypatch.setattr(verify_linears, "measure", no_measuring)
+    assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=12, assistant_model=drafter), plain)
+
+
+def test_the_choice_follows_measured_verify_times_and_retries_the_other_way():
+    """The table says packed; verifies measured slower packed than with `F.linear` (a loaded machine) switch to
+    `F.linear`, every `retry`-th verify tries packed again, and packed returns once it measures faster."""
+    choice = VerifyKernels(KernelTable({4: ("packed", 4)}), retry=4, weight=0.5)
+    cost = {"packed": 0.09, "linear": 0.05}
+    ways = []
+    for _ in range(16):
+        way = choice.pick(4, "packed")
+        ways.append(way)
+        choice.record(4, way, cost[way])
+    assert ways[:4] == ["packed", "packed", "packed", "linear"]  # the retry measures F.linear (its warm-up)
+    assert ways[7] == "linear" and ways[8:11] == ["linear"] * 3 and ways[11] == "packed"  # switched; retries packed
+    cost["packed"] = 0.01  # the load is gone
+    for _ in range(12):
+        way = choice.pick(4, "packed")
+        ways.append(way)
+        choice.record(4, way, cost[way])
+    assert ways[-4:] == ["packed"] * 3 + ["linear"]  # packed again, F.linear only on its retries
+    assert choice.pick(2, "linear") == "linear"  # nothing else to try where the table says F.linear
