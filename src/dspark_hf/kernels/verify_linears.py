@@ -335,9 +335,9 @@ class VerifyKernels:
 
     The table is measured on a quiet machine; another process on the same cores changes which way is fastest
     (oneDNN's many small calls wait on busy threads longer than transformers' own products). So each verify is
-    timed, per row count and way (exponentially weighted, `weight`; each way's first verify, which may pack the
-    weights, left out), every `retry`-th verify at a row count runs the other way (the table's, or
-    transformers' own `F.linear`), and the way with the lower measured time is used.
+    timed, per row count and way (exponentially weighted, `weight`; a packed or few-row way's first verify, which
+    may pack the weights, left out), the 2nd, 4th and every `retry`-th verify at a row count runs the other way (the
+    table's, or transformers' own `F.linear`), and the way with the lower measured time is used.
     """
 
     def __init__(
@@ -371,15 +371,15 @@ class VerifyKernels:
             return way
         mine, other = self.seconds.get((rows, way)), self.seconds.get((rows, "linear"))
         best = "linear" if mine is not None and other is not None and other < mine else way
-        if n % self.retry == self.retry - 1:
+        if n in (1, 3) or n % self.retry == self.retry - 1:  # early (the first run may be a warm-up), then seldom
             return way if best == "linear" else "linear"
         return best
 
     def record(self, rows: int, way: str, seconds: float) -> None:
         key = (rows, way)
         self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] == 1:
-            return  # a warm-up (packing the weights, first kernels)
+        if self.seen[key] == 1 and way != "linear":
+            return  # a warm-up (packing the weights, first kernels); transformers' own products have none
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
