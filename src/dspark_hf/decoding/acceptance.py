@@ -40,4 +40,40 @@ def accept_greedy(
     return accepted, bonus
 
 
-__all__ = ["accept_greedy"]
+def accept_tree(
+    draft_ids: torch.LongTensor,
+    parents: torch.LongTensor,
+    choices: torch.LongTensor,
+    lengths: torch.LongTensor,
+    max_depth: int,
+) -> tuple[torch.BoolTensor, torch.LongTensor, torch.LongTensor]:
+    """Batched acceptance of draft trees (`decoding/trees.py`): walk from the anchor, at each node moving to the child
+    whose token is the target's choice there; the bonus is the choice where the walk stops.
+
+    draft_ids (B, N): node tokens; parents (B, N): each node's parent slot (0: the anchor; node i sits at slot i + 1);
+    choices (B, W), W <= N + 1: the target's choice at every verify slot (the processed argmax, or a sampling row's
+    Gumbel-max draw at the slot's position), slot s predicting the token after slot s; lengths (B,): nodes verified
+    (the first lengths[r] nodes, a tree). Siblings must hold distinct tokens, so at most one child matches and the
+    accepted nodes form a path. Returns on_path (B, W) (slot 0 always), accepted depth (B,) and bonus tokens (B,).
+
+    Lossless as for chains: every accepted node is the target's choice given its ancestors, which are the committed
+    prefix, and the bonus is the choice after the last of them, so each committed token is the choice plain decoding
+    makes at its position (a sampling row: with the same seed's noise there).
+    """
+    width = choices.shape[1]
+    nodes, up = draft_ids[:, : width - 1], parents[:, : width - 1]
+    verified = torch.arange(width - 1, device=choices.device)[None] < lengths[:, None]
+    # node i matches when its token is the choice at its parent's slot; it is on the path when its ancestors match
+    match = (nodes == choices.gather(1, up)) & verified  # (B, W-1)
+    on_path = torch.cat([match.new_ones(match.shape[0], 1), match], dim=1)  # (B, W)
+    up = torch.cat([up.new_zeros(up.shape[0], 1), up], dim=1)
+    for _ in range(max_depth - 1):  # depth-d nodes are settled after d - 1 rounds
+        on_path = on_path & on_path.gather(1, up)
+    depth = on_path[:, 1:].sum(dim=1)
+    # along a path slots ascend with depth: the walk ends at the highest slot on it
+    last = (on_path * torch.arange(width, device=choices.device)[None]).argmax(dim=1)
+    bonus = choices.gather(1, last[:, None])[:, 0]
+    return on_path, depth, bonus
+
+
+__all__ = ["accept_greedy", "accept_tree"]

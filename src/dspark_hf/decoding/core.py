@@ -33,12 +33,13 @@ import torch
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears
-from .acceptance import accept_greedy
+from .acceptance import accept_greedy, accept_tree
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, choose_tokens, process_logits
 from .stats import RECORDERS, DraftRound
+from .trees import slot_parents, slot_paths, tree_attention_mask
 
 
 class SpeculativeDecoder:
@@ -123,6 +124,7 @@ class SpeculativeDecoder:
         """
         if not rows:
             return []
+        self._check_tree()
         if self._per_token and len(rows) > 1:  # one activation scale per call: each prompt alone, as plain decoding
             return [done for row in rows for done in self.prefill([row])]
         lengths = [len(row.seq) for row in rows]
@@ -197,13 +199,29 @@ class SpeculativeDecoder:
         logits, features, hidden = self._verify(drafts)
         if record is not None:
             record.verify_seconds = _clock(self.device) - record.start - record.seconds
-        accepted, bonus, processed = self._accept(drafts, logits)
-        self._commit(drafts, accepted, bonus, processed, logits, features, hidden)
+        accepted, bonus, processed, path_slots = self._accept(drafts, logits)
+        self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
         if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
             self.policy.gate.end_round(sum(accepted) + len(accepted))
         if record is not None:
             record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)
+
+    @property
+    def tree_budget(self) -> int:
+        """The drafter's `config.tree_budget` (0: chains), read each round."""
+        return getattr(self.candidates, "tree_budget", 0) if self.candidates is not None else 0
+
+    def _check_tree(self) -> None:
+        """Trees need every layer to see exactly the mask given: refuse sliding-window targets by name."""
+        budget = self.tree_budget
+        if not budget:
+            return
+        if self.sliding:
+            raise ValueError(
+                f"drafter.config.tree_budget={budget}, but {type(self.target).__name__} has sliding-window layers, "
+                "which cannot take a tree's attention mask. Set drafter.config.tree_budget = 0 (chains)."
+            )
 
     def _caps(self) -> list[int]:
         """Drafts each row may examine: `num_assistant_tokens`, and one fewer than its remaining budget (the bonus
@@ -228,8 +246,11 @@ class SpeculativeDecoder:
         gate = self.policy.gate
         start = time.perf_counter()
         caps = self._caps()
+        self._check_tree()
         drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
-        drafts.lengths = self.policy.lengths(drafts.conditional, caps)
+        # a chain's caps bound its positions, a tree's its depth: the policy then chooses among its nodes
+        limits = drafts.lengths if drafts.is_tree else caps
+        drafts.lengths = self.policy.lengths(drafts.conditional, limits)
         if gate is not None:  # the survivals were read back: the time includes the device's work
             gate.record(time.perf_counter() - start, drafts.conditional)
             for row, conditional in zip(self.rows, drafts.conditional):
@@ -249,54 +270,101 @@ class SpeculativeDecoder:
         anchors = torch.tensor([[row.seq[-1]] for row in self.rows], device=self.device)
         ids = torch.cat([anchors, drafts.tokens[:, : width - 1].to(self.device)], dim=1)  # (B, W)
         slots = torch.arange(width, device=self.device)
-        position_ids = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None] + slots
-        mask = self.target_cache.attention_mask(slots[None] <= lengths[:, None])  # (B, T + W)
+        anchor_positions = torch.tensor([row.anchor_position for row in self.rows], device=self.device)[:, None]
+        new_valid = slots[None] <= lengths[:, None]  # (B, W)
+        if drafts.is_tree:  # slot s at position anchor + its depth, seeing the cache and its own ancestors
+            depths = torch.cat([slots.new_zeros(len(self.rows), 1), drafts.depths[:, : width - 1].to(self.device)], 1)
+            position_ids = anchor_positions + depths
+            parents = slot_parents(drafts.parents.to(self.device), width)
+            dtype = self.target.get_input_embeddings().weight.dtype
+            max_depth = self.block_size
+            mask = tree_attention_mask(self.target_cache.valid, parents, new_valid, max_depth, dtype)  # (B,1,W,T+W)
+        else:
+            position_ids = anchor_positions + slots
+            mask = self.target_cache.attention_mask(new_valid).long()  # (B, T + W)
         with (
             self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext(),
             per_token_activations(self.target, self._per_token),
         ):
             out = self.target(
-                input_ids=ids, attention_mask=mask.long(), position_ids=position_ids, use_cache=True,
+                input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                 output_hidden_states=bool(self.taps) or keep_hidden, **{self.cache_arg: self.target_cache.cache},
             )  # fmt: skip
         self.counts["rounds"] += 1
         features = self._features(out) if self.taps else None
         return out.logits.to(self.device).float(), features, out.hidden_states if keep_hidden else None
 
-    def _accept(self, drafts: Drafts, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
-        """Accepted draft count and bonus token per row, and the processed target logits (B, W, V).
+    def _accept(self, drafts: Drafts, logits: torch.Tensor):
+        """Accepted draft count and bonus token per row, the processed target logits (B, W, V) and, for trees, the
+        slots of each row's accepted path (the anchor's included; None for chains).
 
         choose: the target's token at every slot a row verifies, from that slot's processed logits: the argmax, or
         for a sampling row argmax(logits + g_{seed, position}) (`choose_tokens`). accept: the longest prefix of drafts
-        equal to those choices; the bonus is the choice after it. One rule for greedy and sampling rows
-        (`acceptance.py`).
+        equal to those choices; the bonus is the choice after it; a tree: the walk from the anchor along the choices
+        (`accept_tree`). One rule for greedy and sampling rows (`acceptance.py`).
         """
         width = logits.shape[1]
         tokens = drafts.tokens[:, : width - 1].to(self.device)
+        lengths = torch.tensor(drafts.lengths, device=self.device)
+        if drafts.is_tree:
+            return self._accept_tree(drafts, logits, tokens, lengths)
         processed = process_logits(self.rows, logits, tokens)
         choices = choose_tokens(self.rows, processed, counts=[n + 1 for n in drafts.lengths])  # (B, W)
-        accepted, bonus = accept_greedy(tokens, choices, torch.tensor(drafts.lengths, device=self.device))
-        return accepted.tolist(), bonus.tolist(), processed
+        accepted, bonus = accept_greedy(tokens, choices, lengths)
+        return accepted.tolist(), bonus.tolist(), processed, None
 
-    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features, hidden) -> None:
+    def _accept_tree(self, drafts: Drafts, logits, tokens, lengths):
+        """`_accept` for trees: each slot processed with its own path as prefix, and chosen at its own position
+        (anchor + 1 + its depth: a sampling row's noise is shared by the nodes of one depth)."""
+        width = logits.shape[1]
+        parents = drafts.parents[:, : width - 1].to(self.device)
+        paths = None
+        if any(row.processors is not None for row in self.rows):  # prefix-dependent processors: per-slot paths
+            paths = slot_paths(tokens.tolist(), parents.tolist(), width)
+        processed = process_logits(self.rows, logits, paths=paths)
+        offsets = None
+        if any(row.do_sample for row in self.rows):
+            offsets = [[0] + d for d in drafts.depths[:, : width - 1].tolist()]  # slot s predicts depth(s) + 1
+        choices = choose_tokens(self.rows, processed, counts=[n + 1 for n in drafts.lengths], offsets=offsets)
+        on_path, depth, bonus = accept_tree(tokens, parents, choices, lengths, self.block_size)
+        path_slots = [[s for s, on in enumerate(row) if on] for row in on_path.tolist()]
+        return depth.tolist(), bonus.tolist(), processed, path_slots
+
+    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features, hidden, path_slots=None) -> None:
         """Append accepted drafts + bonus per row; the anchor and accepted drafts stay valid in the target cache,
-        rejected and padding slots become holes."""
+        rejected and padding slots become holes. A tree's accepted path is `path_slots[r]` (ascending slots, at
+        positions anchor + 0, 1, 2, ...), not a prefix of slots: its other nodes become holes."""
         width = processed.shape[1]
-        keep = torch.arange(width, device=self.device)[None] <= torch.tensor(accepted, device=self.device)[:, None]
-        self.target_cache.commit(keep)
+        if path_slots is None:
+            keep = torch.arange(width, device=self.device)[None] <= torch.tensor(accepted, device=self.device)[:, None]
+        else:
+            keep = torch.zeros(len(self.rows), width, dtype=torch.bool)
+            for i, slots in enumerate(path_slots):
+                keep[i, slots] = True
+        self.target_cache.commit(keep.to(self.device))
         tokens = drafts.tokens.tolist()
         survival = drafts.survival
+        depths = drafts.depths.tolist() if drafts.is_tree else None
         for i, row in enumerate(self.rows):
             n_acc = accepted[i]
-            new = tokens[i][:n_acc] + [bonus[i]]
+            if path_slots is None:
+                slots, new = slice(0, n_acc + 1), tokens[i][:n_acc] + [bonus[i]]
+                chosen_by = range(n_acc + 1)
+            else:  # node s - 1 sits at slot s
+                chosen_by = path_slots[i]
+                slots, new = torch.tensor(chosen_by, device=self.device), [tokens[i][s - 1] for s in chosen_by[1:]]
+                new.append(bonus[i])
             states = None
-            if row.keeps_hidden_states:  # slot j's states chose token j of the round
-                states = [_layers(hidden, i, j, j + 1) for j in range(n_acc + 1)]
-            taken = row.commit(new, processed[i, : n_acc + 1], logits[i, : n_acc + 1], states)
-            row.stats.record_step(drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i])
+            if row.keeps_hidden_states:  # slot j's states chose the token after it
+                states = [_layers(hidden, i, j, j + 1) for j in chosen_by]
+            taken = row.commit(new, processed[i, slots], logits[i, slots], states)
+            verified_depth = max(depths[i][: drafts.lengths[i]], default=0) if depths is not None else None
+            row.stats.record_step(
+                drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i], depth=verified_depth
+            )
             row.seq += new[:taken]
             if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor)
-                context = features[i, : n_acc + 1]
+                context = features[i, slots]
                 row.context = context if row.context is None else torch.cat([row.context, context])
             self.counts["request_rounds"] += 1
             self.counts["verified_drafts"] += drafts.lengths[i]

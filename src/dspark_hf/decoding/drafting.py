@@ -26,6 +26,8 @@ from ..kernels.weights import model_device, module_device, out_features
 from ..models.configuration_dspark import EARLY_DRAFT_POSITIONS
 from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
+from .scheduler import conditional_confidences
+from .trees import grow_trees, pack_trees
 
 
 DRAFTER_TYPES = ("dspark", "dspark_eagle3")
@@ -84,8 +86,16 @@ class DSparkCandidateGenerator(_Generator):
     def reset(self) -> None:
         self.cache = RaggedCache(self.device)
 
+    @property
+    def tree_budget(self) -> int:
+        """`config.tree_budget`, read each round (0: chains)."""
+        return getattr(self.config, "tree_budget", 0)
+
     def propose(self, rows, caps: list[int], policy, early: bool = True):
-        """Drafts for every row: `core.Drafts` with tokens (B, K), logits (B, K, V) and conditional confidences."""
+        """Drafts for every row: `core.Drafts` with tokens (B, K), logits (B, K, V) and conditional confidences;
+        with `config.tree_budget` a tree per row (`decoding/trees.py`), caps[r] bounding its depth."""
+        if self.tree_budget:
+            return self._tree(self._block(rows), rows, caps, self.tree_budget, policy if early else None)
         return self._sample(self._block(rows), rows, caps, policy, early)
 
     def _block(self, rows) -> torch.Tensor:
@@ -171,6 +181,71 @@ class DSparkCandidateGenerator(_Generator):
         seen = [c if isinstance(c, list) else c.tolist() for c in seen] if early else _read_back(seen)
         conditional = [c[:cap] for c, cap in zip(_by_row(seen, len(rows)), caps)]
         return Drafts(tokens.to(self.target_device), logits_out, list(caps), conditional)
+
+    def _tree(self, hidden: torch.Tensor, rows, caps: list[int], budget: int, policy=None) -> Drafts:
+        """A best-first tree per row (`trees.grow_trees`): at most `budget` nodes, depth <= caps[r].
+
+        hidden (B, γ, d). U_k is computed once per depth for every row; a node at depth k - 1 (the anchor: 0) gets as
+        children the top candidates of l = processors(U_k + B_k(its token)), its path's tokens as their prefix, each
+        scored by its draft probability softmax(l). A sampling row ranks them by l + g, with g the Gumbel noise its
+        target choice at that position uses (`randomness.py`), so its first child is the coupled draft: the tree
+        then holds the chain it would have drafted, and more. The nodes' path estimates take the place of
+        survivals for the policy. With a `policy` that can stop early (the CPU default), growth stops once the
+        nodes grown decide how many it verifies: nodes join in non-increasing order of estimate, so the last one's
+        bounds every later one, as a chain's last survival does (`VerifyPolicy.settled`).
+        """
+        depth = max(caps)
+        if depth == 0:
+            return Drafts(hidden.new_zeros(len(rows), 0, dtype=torch.long), None, list(caps), [[] for _ in rows])
+        early = policy is not None and policy.stops_early
+        # U_k per row and depth (B, D, V); a policy that can stop early takes the first depths first, as chains do
+        first = min(EARLY_DRAFT_POSITIONS, depth) if early else depth
+        base = [self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)]
+        anchors = [row.seq[-1] for row in rows]
+
+        def expand(entries):
+            index = torch.tensor([r for r, _, _ in entries], device=hidden.device)
+            levels = [tree.depth(node) for _, tree, node in entries]
+            if max(levels) >= base[0].shape[1]:  # a node deeper than the depths computed so far: the rest at once
+                rest = self.drafter.draft_base_logits(hidden[:, base[0].shape[1] : depth], self.lm_head)
+                base[0] = torch.cat([base[0], rest], dim=1)
+            level = torch.tensor(levels, device=hidden.device)
+            prev = torch.tensor(
+                [[anchors[r] if node < 0 else tree.tokens[node]] for r, tree, node in entries], device=hidden.device
+            )  # (n, 1)
+            states = [None if node < 0 else tree.states[node] for _, tree, node in entries]
+            state = None if states[0] is None else torch.stack(states)  # (n, r): the RNN head's, per node
+            bias, next_state = self.drafter.draft_sequential_bias(prev, hidden[index, level][:, None], state)
+            logits = base[0][index, level] if bias is None else base[0][index, level] + bias[:, 0]  # (n, V)
+            paths = [[tree.path(node)] for _, tree, node in entries]
+            entry_rows = [rows[r] for r, _, _ in entries]
+            logits = process_logits(entry_rows, logits[:, None], paths=paths)[:, 0]
+            ranked = logits
+            if any(row.do_sample for row in entry_rows):  # the children of a node at depth d: position len(seq) + d
+                ranked = logits.clone()
+                for i, (row, d) in enumerate(zip(entry_rows, levels)):
+                    if row.do_sample:
+                        ranked[i] += row.noise([len(row.seq) + d], logits.shape[-1], logits.device)[0]
+            top = torch.topk(ranked, min(budget, logits.shape[-1]), dim=-1)
+            probs = torch.softmax(logits, dim=-1).gather(1, top.indices)  # (n, k)
+            finite = torch.isfinite(top.values)  # a token the processors ruled out is never a child
+            out = []
+            for i, (tokens, p, ok) in enumerate(zip(top.indices.tolist(), probs.tolist(), finite.tolist())):
+                kept = [(t, q) for t, q, o in zip(tokens, p, ok) if o]
+                child_state = None if next_state is None else next_state[i]
+                out.append(([t for t, _ in kept], [q for _, q in kept], child_state))
+            return out
+
+        def settled(trees, open_rows):
+            conditional = [conditional_confidences(tree.scores) for tree in trees]
+            limits = [budget if grows else len(tree.tokens) for tree, grows in zip(trees, open_rows)]
+            width = policy.settled_width(conditional, limits)
+            return width is not None and all(len(t.tokens) >= min(width, n) for t, n in zip(trees, limits))
+
+        trees = grow_trees(expand, len(rows), caps, budget, settled if early else None)
+        tokens, parents, depths = pack_trees(trees, self.target_device)
+        conditional = [conditional_confidences(tree.scores) for tree in trees]
+        return Drafts(tokens, None, [len(t.tokens) for t in trees], conditional, parents=parents, depths=depths)
 
     def _draft_vocab_fallback(self, logits, rows, h_k, prev, state, tokens, k):
         """With a draft vocabulary, logits processors can rule out all of it for a row (e.g. a bad-words list):

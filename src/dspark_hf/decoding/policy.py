@@ -8,6 +8,12 @@ a confidence head has no survivals to go by and verifies its whole block whateve
 
 Every rule decides position k from survivals of positions <= k (and other rows' survivals), never from the draft
 x_k itself, so cutting a block stays lossless.
+
+Draft trees (`decoding/trees.py`) go through the same rules: their nodes, in join order, have non-increasing path
+estimates a_i, which play the survivals' part. The expected accepted depth of verifying a tree's first n nodes is
+Σ_{i<=n} a_i, as a chain's expected accepted length is the sum of its survivals, so Algorithm 1 weighs nodes across
+the batch against the verify cost by total width exactly as it weighs chain positions; where width is expensive it
+keeps a few best nodes (the top chain's first positions, mostly).
 """
 
 import itertools
@@ -79,7 +85,8 @@ class VerifyPolicy:
             from .profiling import sps_for
 
             sps = sps_for(drafter, target)
-        curve = SPSCurve(covering_sps(sps, max_rows * (config.block_size + 1)))
+        width = max(config.block_size, getattr(config, "tree_budget", 0))  # a tree verifies up to its budget
+        curve = SPSCurve(covering_sps(sps, max_rows * (width + 1)))
         if gate_drafts is None:
             gate_drafts = bool(getattr(config, "draft_gate", True))
         if draft_seconds is not None and not gate_drafts:

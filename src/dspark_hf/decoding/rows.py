@@ -53,7 +53,7 @@ class Row:
         """The row's Gumbel noise at absolute `positions`: (n, V), keyed by (seed, position) only (`randomness.py`).
         Made once per position, on `noise_device` (else `device`): the draft and the verify of a position share it."""
         self._noise = {t: g for t, g in self._noise.items() if t >= len(self.seq)}  # committed: never asked again
-        missing = [t for t in positions if t not in self._noise]
+        missing = [t for t in dict.fromkeys(positions) if t not in self._noise]  # a tree repeats positions
         if missing:
             made = gumbel_noise(self.seed, missing, vocab_size, self.noise_device or device)
             self._noise.update(zip(missing, made))
@@ -81,12 +81,22 @@ class Drafts:
     the processed draft logits they were chosen from, kept for inspection when a row samples (else None);
     lengths: ℓ_r to verify; conditional: c_{r,k}, the calibrated conditional acceptance of the positions row r
     examined.
+
+    A tree (`decoding/trees.py`) has its nodes as the columns, in join order: parents (B, K) the verify slot of each
+    node's parent (0: the anchor; node i sits at slot i + 1), depths (B, K) its draft position; `conditional` then
+    holds a_i / a_{i-1} of the nodes' path estimates a_i, and `lengths` counts nodes. A chain has neither.
     """
 
     tokens: torch.LongTensor
     logits: torch.Tensor | None
     lengths: list[int]
     conditional: list[list[float]]
+    parents: torch.LongTensor | None = None
+    depths: torch.LongTensor | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     @property
     def survival(self) -> list[list[float]]:
@@ -99,8 +109,11 @@ class Drafts:
         return cls(torch.zeros(n_rows, 0, dtype=torch.long, device=device), None, [0] * n_rows, [[]] * n_rows)
 
 
-def process_logits(rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0):
-    """Each row's logits processing on logits (B, S, V); slot s of row r follows seq_r + drafts[r, :first + s].
+def process_logits(
+    rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0, paths=None
+) -> torch.Tensor:
+    """Each row's logits processing on logits (B, S, V); slot s of row r follows seq_r + drafts[r, :first + s], or
+    seq_r + paths[r][s] (a tree's slots follow their own ancestors, `trees.slot_paths`).
 
     Rows with equal `sampling_key` share one warper pass; rows with `processors` are processed slot by slot with
     their own prefix, as transformers processes every position of a verify. Unprocessed rows pass through unchanged.
@@ -121,22 +134,31 @@ def process_logits(rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor |
     for i in own:
         prefix = torch.tensor([rows[i].processor_ids()], device=logits.device)  # (1, L)
         for s in range(logits.shape[1]):
-            ids = prefix if drafts is None else torch.cat([prefix, drafts[i : i + 1, : first + s].to(prefix)], dim=1)
+            if paths is not None:
+                ids = torch.cat([prefix, torch.tensor([paths[i][s]], dtype=prefix.dtype, device=prefix.device)], 1)
+            elif drafts is None:
+                ids = prefix
+            else:
+                ids = torch.cat([prefix, drafts[i : i + 1, : first + s].to(prefix)], dim=1)
             logits[i, s] = rows[i].processors(ids, logits[i, s][None])[0]
     return logits
 
 
-def choose_tokens(rows: list[Row], logits: torch.Tensor, first: int = 0, counts: list[int] | None = None):
+def choose_tokens(
+    rows: list[Row], logits: torch.Tensor, first: int = 0, counts: list[int] | None = None, offsets=None
+) -> torch.LongTensor:
     """Each row's choice from processed logits (B, S, V): slot s of row r chooses the token at absolute position
-    len(seq_r) + first + s. Greedy rows: the argmax. Sampling rows: argmax(logits + g_{seed, position}), a draw from
-    softmax(logits) whose noise depends only on the row's seed and the position (Gumbel-max), for the first
-    `counts[r]` slots (None: all); slots past them keep the argmax. Returns (B, S) on the logits' device."""
+    len(seq_r) + first + s, or len(seq_r) + offsets[r][s] (a tree's slots: their depths). Greedy rows: the argmax.
+    Sampling rows: argmax(logits + g_{seed, position}), a draw from softmax(logits) whose noise depends only on the
+    row's seed and the position (Gumbel-max), for the first `counts[r]` slots (None: all); slots past them keep the
+    argmax. Returns (B, S) on the logits' device."""
     tokens = logits.argmax(dim=-1)
     for i, row in enumerate(rows):
         n = logits.shape[1] if counts is None else min(counts[i], logits.shape[1])
         if row.do_sample and n > 0:
             start = len(row.seq) + first
-            noise = row.noise(range(start, start + n), logits.shape[-1], logits.device)
+            positions = range(start, start + n) if offsets is None else [len(row.seq) + o for o in offsets[i][:n]]
+            noise = row.noise(positions, logits.shape[-1], logits.device)
             tokens[i, :n] = gumbel_choice(logits[i, :n], noise)
     return tokens
 

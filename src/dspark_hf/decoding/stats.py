@@ -13,6 +13,10 @@ class DSparkGenerationStats:
     token from the target. `stopped[i]` marks a step cut short by EOS or the length limit, whose unaccepted
     drafts say nothing about the drafter and are left out of the per-position rates. `gated_rounds` counts the
     steps the draft gate made plain (no draft pass; verify length 0).
+
+    With draft trees (`tree_budget`) `verify_lengths[i]` counts the tree nodes verified, `accepted_lengths[i]` the
+    accepted depth and `verify_depths[i]` the deepest node verified (for a chain it equals `verify_lengths[i]`); the
+    per-position rates then go by depth.
     """
 
     block_size: int
@@ -23,12 +27,15 @@ class DSparkGenerationStats:
     stopped: list[bool] = field(default_factory=list)
     survivals: list[list[float]] = field(default_factory=list)
     gated_rounds: int = 0
+    verify_depths: list[int] = field(default_factory=list)
 
-    def record_step(self, verified: int, accepted: int, stopped: bool = False, survival=None) -> None:
+    def record_step(self, verified: int, accepted: int, stopped: bool = False, survival=None, depth=None) -> None:
         """One verify pass; `survival` is the calibrated cumulative survival of the positions the drafter examined
-        (kept for calibration checks and the what-if simulator)."""
-        if not 0 <= accepted <= verified:
-            raise ValueError(f"accepted ({accepted}) must lie in 0..verified ({verified}).")
+        (kept for calibration checks and the what-if simulator); `depth`: a tree's deepest verified node."""
+        depth = verified if depth is None else depth
+        if not 0 <= accepted <= min(verified, depth):
+            raise ValueError(f"accepted ({accepted}) must lie in 0..verified ({verified}) and 0..depth ({depth}).")
+        self.verify_depths.append(depth)
         self.verify_lengths.append(verified)
         self.accepted_lengths.append(accepted)
         self.stopped.append(stopped)
@@ -48,7 +55,7 @@ class DSparkGenerationStats:
     def position_counts(self) -> tuple[list[int], list[int]]:
         """(reached, accepted) per block position k = 1..γ: drafts verified at k with 1..k-1 accepted."""
         reached, accepted = [0] * self.block_size, [0] * self.block_size
-        for ver, acc, stop in zip(self.verify_lengths, self.accepted_lengths, self.stopped):
+        for ver, acc, stop in zip(self.depths, self.accepted_lengths, self.stopped):
             last = ver if not stop else acc  # a stopped step's rejection is not the drafter's
             for k in range(min(last, acc + 1)):
                 reached[k] += 1
@@ -80,6 +87,16 @@ class DSparkGenerationStats:
         return curve + [None] * (self.block_size - len(curve))
 
     @property
+    def depths(self) -> list[int]:
+        """Deepest draft position verified per step (`verify_lengths` for stats recorded without depths)."""
+        return self.verify_depths if len(self.verify_depths) == len(self.verify_lengths) else self.verify_lengths
+
+    @property
+    def mean_accepted_depth(self) -> float:
+        steps = self.num_target_forwards
+        return sum(self.accepted_lengths) / steps if steps else 0.0
+
+    @property
     def mean_verify_length(self) -> float:
         steps = self.num_target_forwards
         return sum(self.verify_lengths) / steps if steps else 0.0
@@ -92,7 +109,9 @@ class DSparkGenerationStats:
             "acceptance_length": self.acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,
             "mean_verify_length": self.mean_verify_length,
+            "mean_accepted_depth": self.mean_accepted_depth,
             "verify_lengths": list(self.verify_lengths),
+            "verify_depths": list(self.depths),
             "accepted_lengths": list(self.accepted_lengths),
             "stopped": list(self.stopped),
             "survivals": [list(x) for x in self.survivals],
@@ -106,6 +125,7 @@ class DSparkGenerationStats:
             self.num_new_tokens + other.num_new_tokens,
         )
         for s in (self, other):
+            merged.verify_depths += s.depths
             merged.verify_lengths += s.verify_lengths
             merged.accepted_lengths += s.accepted_lengths
             merged.stopped += s.stopped

@@ -19,6 +19,9 @@ Draft latency against block length: each drafter proposes exactly L drafts per r
 prompt for every L, timed in real decoding rounds the same way for all: an autoregressive drafter pays one forward
 per draft, a DSpark drafter one block pass plus its sequential head. Drafters without such a setting fall back to
 the main run's rounds grouped by how many drafts they proposed.
+
+Draft trees side by side with the chain: `tree_budgets` (`dspark-hf bench --tree-budget 0,8,16,32`) runs each
+DSpark drafter once per budget (`config.tree_budget`, restored afterwards), labelled "LABEL chain" and "LABEL tree N".
 """
 
 import contextlib
@@ -238,6 +241,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "position_accepted": accepted,
         "acceptance_length_by_draft_length": pooled.acceptance_length_by_draft_length,
         "mean_verify_length": pooled.mean_verify_length,
+        "mean_accepted_depth": pooled.mean_accepted_depth,
         "num_target_forwards": pooled.num_target_forwards,
         "new_tokens": tokens,
         "seconds": seconds,
@@ -382,6 +386,41 @@ def measure_latency(target, ids, assistant, lengths, new_tokens=48, fallback_rou
     }
 
 
+@contextlib.contextmanager
+def tree_budget(assistant, budget: int | None):
+    """`assistant.config.tree_budget = budget` within the block (None: unchanged), restored afterwards."""
+    config = getattr(assistant, "config", None)
+    if budget is None or config is None:
+        yield
+        return
+    if not hasattr(config, "tree_budget"):
+        raise ValueError(f"{type(assistant).__name__} drafts no trees (its config has no `tree_budget`).")
+    before = config.tree_budget
+    config.tree_budget = budget
+    try:
+        yield
+    finally:
+        config.tree_budget = before
+
+
+def tree_variants(drafters: dict, budgets) -> tuple[dict, dict]:
+    """({label: assistant}, {label: tree budget}) with every DSpark drafter once per budget ("LABEL chain", "LABEL tree
+    N"); other assistants keep their label (budget None)."""
+    if not budgets:
+        return dict(drafters), dict.fromkeys(drafters)
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
+        raise ValueError(f"Tree budgets must be ints >= 0 (0: the chain), got {list(budgets)}.")
+    labelled, by_label = {}, {}
+    for label, assistant in drafters.items():
+        if not hasattr(getattr(assistant, "config", None), "tree_budget"):
+            labelled[label], by_label[label] = assistant, None
+            continue
+        for b in budgets:
+            name = f"{label} tree {b}" if b else f"{label} chain"
+            labelled[name], by_label[name] = assistant, b
+    return labelled, by_label
+
+
 def describe_assistant(assistant) -> dict:
     config = assistant.config
     return {
@@ -408,6 +447,7 @@ def run_evaluation(
     latency_new_tokens: int = 48,
     progress: bool = True,
     padded_baseline: bool | None = None,
+    tree_budgets=(),
 ) -> dict:
     """Plain decoding vs every drafter on every dataset at every temperature, plus the draft-latency sweep.
 
@@ -415,10 +455,12 @@ def run_evaluation(
     padded_baseline: also decode plainly with 2-row steps (see the module docstring); None: where the target's verifies
     use the few-rows products (`verify_head.version(target) > 0`). Returns a JSON-ready dict: `runs` (one entry per
     dataset × temperature × drafter, see `_run_entry`), `baselines` (plain decoding per dataset × temperature),
-    `latency` ({label: `measure_latency`}), `padded_baseline` and `all_identical` (T = 0 runs).
+    `latency` ({label: `measure_latency`}), `padded_baseline` and `all_identical` (T = 0 runs). `tree_budgets`:
+    each DSpark drafter once per budget (`tree_variants`); the latency sweep then covers the chains only.
     """
     if not drafters:
         raise ValueError("run_evaluation needs at least one drafter: {label: assistant model}.")
+    drafters, budgets = tree_variants(drafters, tree_budgets)
     if not datasets or not all(datasets.values()):
         raise ValueError("run_evaluation needs at least one dataset, each with at least one prompt record.")
     temperatures = [float(t) for t in temperatures]
@@ -431,8 +473,9 @@ def run_evaluation(
     encoded = {name: [encode(tokenizer, r) for r in records] for name, records in datasets.items()}
     first = next(iter(encoded.values()))[0]
     warm = first[:, :WARMUP_TOKENS]  # a long prompt's prefill would only cost time here
-    for assistant in (None, *drafters.values()):  # warm-up of every path
-        timed_generate(target, warm, 4, assistant)
+    for label, assistant in (None, None), *drafters.items():  # warm-up of every path
+        with tree_budget(assistant, budgets.get(label)):
+            timed_generate(target, warm, 4, assistant)
     modes = [None, *drafters]  # None: plain decoding
     if padded_baseline:
         _decode(target, warm, 4, None, 0.0, 0, padded=True)
@@ -446,18 +489,22 @@ def run_evaluation(
                 shift = i % len(modes)
                 for mode in modes[shift:] + modes[:shift]:
                     assistant = drafters.get(mode)  # None for both plain modes
-                    run = _decode(target, ids, max_new_tokens, assistant, temperature, seed + i, mode == PADDED)
+                    with tree_budget(assistant, budgets.get(mode)):
+                        run = _decode(target, ids, max_new_tokens, assistant, temperature, seed + i, mode == PADDED)
                     decoded[mode].append(run)
                 bar.set_postfix({label: f"τ {decoded[label][-1][2].acceptance_length:.2f}" for label in drafters})
             padded = decoded.get(PADDED)
             baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded))
             for label in drafters:
                 runs.append(_run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded))
+                runs[-1]["tree_budget"] = budgets[label]
                 if temperature == 0:
                     greedy_rounds[label] += [d[3] for d in decoded[label]]
     latency = {}
     if latency_lengths:
         for label, assistant in drafters.items():
+            if budgets[label]:  # the sweep fixes the block length: a chain's measure
+                continue
             latency[label] = measure_latency(
                 target, first, assistant, latency_lengths, latency_new_tokens, greedy_rounds[label], progress
             )
@@ -631,6 +678,8 @@ __all__ = [
     "round_breakdown",
     "run_bench",
     "fixed_draft_length",
+    "tree_budget",
+    "tree_variants",
     "format_evaluation",
     "generation_kwargs",
     "load_assistant",

@@ -43,6 +43,7 @@ MODULES = (
     "decoding.scheduler",
     "decoding.ragged_cache",
     "decoding.rows",
+    "decoding.trees",
     "decoding.profiling",
     "decoding.policy",
     "decoding.drafting",

@@ -167,7 +167,8 @@ def _dequantize(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     if callable(weight) and not isinstance(weight, torch.Tensor):
         weight = weight()  # PyTorch's dynamic int8 Linear: a quantized tensor
     if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
-        if weight.is_quantized or hasattr(weight, "dequantize") and type(weight) not in (torch.Tensor, nn.Parameter):
+        own = getattr(type(weight), "dequantize", torch.Tensor.dequantize) is not torch.Tensor.dequantize
+        if weight.is_quantized or own:  # PyTorch's quantized tensors, torchao's subclasses (not bitsandbytes')
             try:
                 return weight.dequantize().to(dtype)
             except (NotImplementedError, RuntimeError, TypeError):

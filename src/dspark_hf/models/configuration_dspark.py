@@ -369,6 +369,10 @@ class DSparkConfig(DrafterConfig):
             `draft_vocab_ids` buffer of the checkpoint, set with `DSparkDraftModel.set_draft_vocab`), so the LM head
             and the sequential head compute N columns. Verification stays exact: a token outside them is simply
             never drafted.
+        tree_budget (`int`): 0 drafts a chain (the block, one token per position); N > 0 drafts a token tree of at
+            most N nodes per row, grown best-first by estimated path acceptance and verified in one target forward
+            (greedy and seeded sampling rows; see docs/trees.md). The verify policy then chooses how many of the
+            tree's best nodes to verify.
         context_window (`int`, *optional*): a block anchored at position a attends to the target features of the
             `context_window` positions before it (a - W .. a - 1) and no further, in training and in decoding, so
             the draft pass's cost and behaviour stop depending on the prompt's length (the drafter cache keeps only
@@ -389,6 +393,7 @@ class DSparkConfig(DrafterConfig):
     confidence_threshold: float | int = 0.1
     draft_gate: bool = True
     draft_vocab_size: int = 0
+    tree_budget: int = 0
     draft_layer: str = "llama"
     attention_k_eq_v: bool = False
     context_window: int | None = None
@@ -441,6 +446,11 @@ class DSparkConfig(DrafterConfig):
             raise ValueError(
                 f"`draft_vocab_size` must lie in [0, vocab_size={self.vocab_size}] (0: the whole vocabulary), "
                 f"got {self.draft_vocab_size}."
+            )
+        if isinstance(self.tree_budget, bool) or not isinstance(self.tree_budget, int) or self.tree_budget < 0:
+            raise ValueError(
+                f"`tree_budget` must be an int >= 0 (0: draft a chain; N > 0: a tree of at most N nodes per row), "
+                f"got {self.tree_budget!r}."
             )
         if self.context_window is not None and (isinstance(self.context_window, bool) or self.context_window < 1):
             raise ValueError(

@@ -120,8 +120,13 @@ def calibration_report(logits, prefix_labels, temperatures, bins: int = 20, fold
 
 
 @torch.no_grad()
-def collect_confidence(drafter, target, dataset, seq_len=512, batch_size=4, num_anchors=64, num_batches=8, seed=0):
-    """Raw confidence logits and greedy prefix-acceptance labels of fully supervised held-out blocks: (N, γ) each."""
+def collect_confidence(
+    drafter, target, dataset, seq_len=512, batch_size=4, num_anchors=64, num_batches=8, seed=0, against_target=False
+):
+    """Raw confidence logits and greedy prefix-acceptance labels of fully supervised held-out blocks: (N, γ) each.
+
+    A draft counts as accepted when it equals the data's next token, or with `against_target` the target's own
+    greedy token there (for a target other than the one that generated the data, e.g. a quantized one)."""
     from .step import block_predictions
 
     logits, labels = [], []
@@ -130,7 +135,8 @@ def collect_confidence(drafter, target, dataset, seq_len=512, batch_size=4, num_
         if p.confidence_logits is None:
             raise ValueError("This drafter has no confidence head; there is nothing to calibrate.")
         full = p.blocks.valid.all(-1)  # (B, N)
-        hits = (p.draft_logits.argmax(-1) == p.blocks.labels).cumprod(-1)
+        wanted = p.target_logits.argmax(-1) if against_target else p.blocks.labels
+        hits = (p.draft_logits.argmax(-1) == wanted).cumprod(-1)
         logits.append(p.confidence_logits[full])
         labels.append(hits[full].float())
     return torch.cat(logits), torch.cat(labels)

@@ -46,6 +46,13 @@ PRIVATE_API = (
         ("5.24", "5.25"),
     ),
     PrivateName(
+        "a 4-D float `attention_mask` (B, 1, q, kv) passes through masking_utils unchanged to every layer "
+        "(`_preprocess_mask_arguments` returns a 4-D mask as given) and is added to the attention scores",
+        "core.SpeculativeDecoder._verify, trees.tree_attention_mask",
+        "a draft tree's verify: each slot sees the cache and its own ancestors (sliding-window targets refused)",
+        ("5.25",),
+    ),
+    PrivateName(
         "stop_strings need `tokenizer` among generate()'s mode kwargs, which a custom_generate call drops",
         "generation._routed_kwargs",
         "the routing builds the StopStringCriteria itself and passes it as public `stopping_criteria`",

@@ -1,0 +1,359 @@
+"""Draft trees (`drafter.config.tree_budget`): growth, the verify mask, acceptance, lossless decoding with trees."""
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from conftest import make_drafter, make_target
+from dspark_hf import DSparkConfig, Engine
+from dspark_hf.decoding.acceptance import accept_greedy, accept_tree
+from dspark_hf.decoding.trees import ancestors, grow_trees, pack_trees, slot_parents, slot_paths, tree_attention_mask
+from helpers import char_tokenizer, pin_drafter
+
+
+def greedy(target, ids, **kwargs):
+    return target.generate(ids, do_sample=False, **kwargs)
+
+
+def tree_drafter(target, budget, **overrides):
+    drafter = make_drafter(target, **{"verify_policy": "fixed", **overrides})
+    drafter.config.tree_budget = budget
+    return drafter
+
+
+# -- growth, mask and acceptance as pure functions ---------------------------------------------------------------
+
+
+def _expand_from(table):
+    """An `expand` for `grow_trees` from {path tuple: [(token, prob), ...]} (missing paths have no children)."""
+
+    def expand(entries):
+        out = []
+        for _, tree, node in entries:
+            children = table.get(tuple(tree.path(node)), [])
+            out.append(([t for t, _ in children], [p for _, p in children], None))
+        return out
+
+    return expand
+
+
+TABLE = {
+    (): [(1, 0.6), (2, 0.3), (3, 0.1)],
+    (1,): [(4, 0.55), (5, 0.4)],
+    (2,): [(6, 0.9)],
+    (1, 4): [(7, 0.9)],
+    (2, 6): [(8, 0.5)],
+}
+
+
+def test_best_first_growth_joins_nodes_by_path_estimate():
+    (tree,) = grow_trees(_expand_from(TABLE), 1, caps=[3], budget=6)
+    # estimates: 1: .6, 1-4: .33, 2: .3, 1-4-7: .297, 2-6: .27, 1-5: .24, ...
+    assert [tree.path(i) for i in range(len(tree.tokens))] == [[1], [1, 4], [2], [1, 4, 7], [2, 6], [1, 5]]
+    assert tree.scores == sorted(tree.scores, reverse=True)
+    assert all(p < i for i, p in enumerate(tree.parents))  # a parent joins before its children
+    (shallow,) = grow_trees(_expand_from(TABLE), 1, caps=[1], budget=6)  # depth cap 1: the root's children only
+    assert shallow.tokens == [1, 2, 3]
+
+
+def test_growth_stops_at_the_budget_and_for_rows_without_room():
+    trees = grow_trees(_expand_from(TABLE), 2, caps=[3, 0], budget=2)
+    assert [len(t.tokens) for t in trees] == [2, 0]
+
+
+def test_ancestor_mask_of_a_small_tree():
+    # slots: 0 anchor; 1 = a (parent 0); 2 = b (parent 0); 3 = c (parent 1); 4 = d (parent 3)
+    parents = slot_parents(torch.tensor([[0, 0, 1, 3]]), 5)
+    seen = ancestors(parents, max_depth=3)[0]
+    assert seen.nonzero().tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [2, 2], [3, 0], [3, 1], [3, 3],
+                                       [4, 0], [4, 1], [4, 3], [4, 4]]  # fmt: skip
+    valid = torch.tensor([[True, True, True, True, False]])  # slot 4 is padding
+    mask = tree_attention_mask(torch.tensor([[True, False]]), parents, valid, 3, torch.float32)
+    assert mask.shape == (1, 1, 5, 7)
+    visible = mask[0, 0] == 0
+    assert visible[:, 0].all() and not visible[:, 1].any()  # the cache: its valid slot only
+    assert visible[4, 2:].tolist() == [True, True, False, True, False]  # padding: never a key, not even to itself
+
+
+def test_accept_tree_walks_the_matching_path():
+    # nodes: a=10 (root child), b=11 (root child), c=12 (child of b), d=13 (child of a), e=14 (child of c)
+    tokens = torch.tensor([[10, 11, 12, 13, 14]])
+    parents = torch.tensor([[0, 0, 2, 1, 3]])
+    # the target's choice per slot: after the anchor 11 (b), after b 12 (c), after c 99 (not e)
+    choices = torch.tensor([[11, 0, 12, 99, 0, 0]])
+    on_path, depth, bonus = accept_tree(tokens, parents, choices, torch.tensor([5]), max_depth=3)
+    assert on_path[0].tolist() == [True, False, True, True, False, False]
+    assert depth.tolist() == [2] and bonus.tolist() == [99]
+    # with only the first 2 nodes verified, c is out: depth 1, the bonus is the choice after b
+    on_path, depth, bonus = accept_tree(tokens, parents, choices, torch.tensor([2]), max_depth=3)
+    assert depth.tolist() == [1] and bonus.tolist() == [12]
+
+
+def test_accept_tree_on_a_chain_is_accept_greedy():
+    torch.manual_seed(3)
+    for _ in range(20):
+        drafts = torch.randint(0, 3, (4, 5))
+        choices = torch.randint(0, 3, (4, 6))
+        lengths = torch.randint(0, 6, (4,))
+        chain_parents = torch.arange(5)[None].expand(4, -1)  # node i hangs off slot i
+        _, depth, bonus = accept_tree(drafts, chain_parents, choices, lengths, max_depth=5)
+        accepted, chain_bonus = accept_greedy(drafts, choices, lengths)
+        assert torch.equal(depth, accepted) and torch.equal(bonus, chain_bonus)
+
+
+def test_slot_paths_follow_ancestors():
+    tokens, parents = [[10, 11, 12, 13]], [[0, 0, 2, 3]]
+    assert slot_paths(tokens, parents, 5) == [[[], [10], [11], [11, 12], [11, 12, 13]]]
+    packed, up, depths = pack_trees(grow_trees(_expand_from(TABLE), 1, [3], 4), "cpu")
+    assert packed.tolist() == [[1, 4, 2, 7]] and up.tolist() == [[0, 1, 0, 2]] and depths.tolist() == [[1, 2, 1, 3]]
+
+
+# -- lossless decoding with trees ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head", ["markov", "gated_markov", "rnn", "none"])
+@pytest.mark.parametrize("budget", [1, 6, 16])
+def test_random_drafter_with_a_tree_matches_greedy(target, head, budget):
+    extra = {"confidence_with_markov": False} if head == "none" else {}
+    drafter = tree_drafter(target, budget, sequential_head=head, **extra)
+    ids = torch.randint(0, 99, (1, 6))
+    ref = greedy(target, ids, max_new_tokens=19)
+    assert torch.equal(ref, greedy(target, ids, max_new_tokens=19, assistant_model=drafter))
+    stats = drafter.generation_stats
+    assert sum(stats.accepted_lengths) + stats.num_target_forwards + 1 == 19
+    assert max(stats.verify_lengths) == budget and max(stats.depths) <= drafter.config.block_size
+
+
+def test_threshold_policy_verifies_the_nodes_above_it(target):
+    drafter = tree_drafter(target, 12, verify_policy="threshold", confidence_threshold=0.03)
+    ids = torch.randint(0, 99, (1, 5))
+    ref = greedy(target, ids, max_new_tokens=17)
+    assert torch.equal(ref, greedy(target, ids, max_new_tokens=17, assistant_model=drafter))
+    stats = drafter.generation_stats
+    # a row alone verifies exactly its nodes whose path estimate reaches the threshold (estimates never increase)
+    assert stats.verify_lengths == [sum(a >= 0.03 for a in s) for s in stats.survivals]
+    assert len(set(stats.verify_lengths)) > 1
+
+
+def test_scheduler_with_a_steep_profile_verifies_short_trees(target):
+    prompts = [torch.randint(0, 99, (n,)).tolist() for n in (4, 9)]
+    steep = {b: 100.0 / b for b in range(1, 200)}
+    engine = Engine(target, tree_drafter(target, 10), verify_policy="scheduler", sps=steep, gate_drafts=False)
+    outputs = engine.generate(prompts, max_new_tokens=15)
+    assert outputs == [greedy(target, torch.tensor([p]), max_new_tokens=15)[0, len(p) :].tolist() for p in prompts]
+    assert engine.stats["verified_drafts"] < 10 * engine.stats["request_rounds"] / 2
+
+
+def test_oracle_tree_accepts_the_whole_depth(target):
+    ids = torch.randint(0, 99, (1, 5))
+    ref = greedy(target, ids, max_new_tokens=30)
+    drafter = pin_drafter(tree_drafter(target, 8), ref)
+    assert torch.equal(ref, greedy(target, ids, max_new_tokens=30, assistant_model=drafter))
+    stats = drafter.generation_stats
+    assert stats.per_position_acceptance == [1.0] * drafter.config.block_size
+    assert stats.accepted_lengths[:-1] == [4] * (len(stats.accepted_lengths) - 1)
+
+
+def runner_up_drafter(target, refs, wrong_at, budget):
+    """Pinned to the reference but wrong at block slot `wrong_at`, where the reference token is the runner-up (one
+    logit below): a chain accepts `wrong_at` drafts a round, a tree can take the runner-up branch."""
+    drafter = pin_drafter(tree_drafter(target, budget, randomize_heads=False), refs, diverge_at=wrong_at)
+    pinned = drafter.draft_base_logits
+
+    def with_runner_up(h, lm_head):
+        logits = pinned(h, lm_head)
+        top = logits.argmax(dim=-1, keepdim=True)
+        return logits.scatter(-1, (top - 1) % logits.shape[-1], 1e4 - 1.0)  # the token below each pinned one
+
+    drafter.draft_base_logits = with_runner_up
+    return drafter
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1])
+def test_a_tree_recovers_where_the_chain_diverges(target, wrong_at):
+    ids = torch.randint(0, 99, (1, 5))
+    ref = greedy(target, ids, max_new_tokens=25)
+    taus = {}
+    for budget in (0, 10):
+        drafter = runner_up_drafter(target, ref, wrong_at, budget)
+        assert torch.equal(ref, greedy(target, ids, max_new_tokens=25, assistant_model=drafter))
+        stats = drafter.generation_stats
+        taus[budget] = stats.acceptance_length
+        if budget:  # the accepted path leaves the top-1 chain: accepted nodes are not a prefix of the slots
+            assert max(stats.accepted_lengths) > wrong_at
+    assert taus[10] > taus[0]
+
+
+def test_rows_of_different_lengths_with_trees(target):
+    prompts = [[5, 17, 3], [40, 2, 9, 11, 7, 33, 8], [61], [12, 90, 4, 4, 71]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    refs = [greedy(target, torch.tensor([p]), max_new_tokens=21)[0].tolist() for p in prompts]
+    for drafter in (tree_drafter(target, 7), runner_up_drafter(target, refs, 1, 7)):
+        out = greedy(target, ids, attention_mask=mask, max_new_tokens=21, assistant_model=drafter)
+        assert out[:, width:].tolist() == [r[len(p) :] for p, r in zip(prompts, refs)]
+
+
+def test_eos_inside_a_tree():
+    target = make_target()
+    ids = torch.randint(0, 99, (1, 5))
+    ref_long = greedy(target, ids, max_new_tokens=20)
+    eos = int(ref_long[0, 5 + 6])
+    target.generation_config.eos_token_id = eos
+    ref = greedy(target, ids, max_new_tokens=20)
+    drafter = runner_up_drafter(target, ref_long, 1, 9)
+    assert torch.equal(ref, greedy(target, ids, max_new_tokens=20, assistant_model=drafter))
+
+
+def test_stop_strings_and_processors_with_a_tree(target):
+    tok = char_tokenizer(99)
+    ids = torch.randint(0, 99, (1, 5))
+    ref_long = greedy(target, ids, max_new_tokens=20)
+    stop = tok.decode(ref_long[0, 5 + 8 : 5 + 10])
+    kw = dict(max_new_tokens=20, stop_strings=[stop], tokenizer=tok)
+    ref = greedy(target, ids, **kw)
+    assert torch.equal(ref, greedy(target, ids, assistant_model=runner_up_drafter(target, ref_long, 1, 8), **kw))
+    # a prefix-dependent processor: each slot is processed with its own ancestors
+    kw = dict(max_new_tokens=16, repetition_penalty=1.3, return_dict_in_generate=True, output_scores=True)
+    ref = greedy(target, ids, **kw)
+    out = greedy(target, ids, assistant_model=tree_drafter(target, 9), **kw)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(ref.scores, out.scores))
+
+
+def test_engine_with_trees(target):
+    prompts = [torch.randint(0, 99, (n,)).tolist() for n in (1, 5, 17, 9, 3)]
+    budgets = [23, 9, 30, 1, 14]
+    engine = Engine(target, tree_drafter(target, 8), verify_policy="fixed", max_batch_size=3)
+    requests = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    while engine.has_unfinished():
+        engine.step()
+    for request, prompt, n in zip(requests, prompts, budgets):
+        plain = greedy(target, torch.tensor([prompt]), max_new_tokens=n)[0, len(prompt) :]
+        assert request.output_ids == plain.tolist()
+
+
+# -- what trees refuse --------------------------------------------------------------------------------------------
+
+
+def test_tree_budget_is_validated():
+    with pytest.raises(ValueError, match="tree_budget"):
+        DSparkConfig(tree_budget=-1)
+
+
+def test_sliding_windows_refuse_trees(target):
+    ids = torch.randint(0, 99, (1, 5))
+    sliding = make_target(config_cls=MistralConfig, model_cls=MistralForCausalLM, sliding_window=6)
+    with pytest.raises(ValueError, match="tree_budget=8, but MistralForCausalLM has sliding-window layers"):
+        greedy(sliding, ids, max_new_tokens=5, assistant_model=tree_drafter(sliding, 8))
+
+
+def test_bench_runs_chain_and_trees_side_by_side(tmp_path, capsys):
+    from dspark_hf.cli import main
+    from dspark_hf.evaluation.harness import run_evaluation
+
+    target, tok = make_target(), char_tokenizer(99)
+    drafter = make_drafter(target, verify_policy="fixed")
+    records = [{"prompt": "Hello there"}, {"prompt": "abc"}]
+    result = run_evaluation(target, tok, {"d": drafter}, {"x": records}, 12, progress=False, tree_budgets=(0, 6))
+    assert [(r["drafter"], r["tree_budget"]) for r in result["runs"]] == [("d chain", 0), ("d tree 6", 6)]
+    assert result["all_identical"] and drafter.config.tree_budget == 0  # restored
+    chain, tree = result["runs"]
+    assert chain["mean_verify_length"] <= 4 < tree["mean_verify_length"] <= 6  # nodes verified per round
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--tree-budget", "0,-8"]) == 2
+    assert "--tree-budget" in capsys.readouterr().err
+
+
+def test_return_dict_hidden_states_and_pipeline_with_a_tree(target):
+    """Per new token the hidden states of the slot that chose it, also when the accepted path skips slots."""
+    from transformers import pipeline
+
+    ids = torch.randint(0, 99, (2, 6))
+    refs = greedy(target, ids, max_new_tokens=20)
+    kw = dict(max_new_tokens=9, return_dict_in_generate=True, output_hidden_states=True, output_logits=True)
+    ref = greedy(target, ids, **kw)
+    out = greedy(target, ids, assistant_model=runner_up_drafter(target, refs, 1, 8), **kw)
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.logits, out.logits):
+        assert torch.allclose(a, b, atol=1e-4)
+    for step, (a, b) in enumerate(zip(ref.hidden_states, out.hidden_states)):
+        for layer_a, layer_b in zip(a, b):
+            assert layer_a.shape == layer_b.shape and torch.allclose(layer_a, layer_b, atol=1e-4), step
+    pipe = pipeline("text-generation", model=target, tokenizer=char_tokenizer(99))
+    assert pipe("Hello trees", max_new_tokens=12, do_sample=False) == pipe(
+        "Hello trees", max_new_tokens=12, do_sample=False, assistant_model=tree_drafter(target, 6)
+    )
+
+
+# -- sampling: the seeded coupling makes the tree walk exact -------------------------------------------------------
+
+
+def _tree_sampling_models(budget=6):
+    from test_sampling import setup_models
+
+    target, drafter = setup_models()
+    drafter.config.tree_budget, drafter.config.verify_policy = budget, "fixed"  # every node verified
+    return target, drafter
+
+
+@pytest.mark.parametrize("policy", ["fixed", "scheduler"])
+def test_seeded_sampling_with_a_tree_is_plain_seeded_sampling(policy):
+    """A sampling row's tokens are the seeded sampler's own: the same with a tree, a chain or no drafter, in generate()
+    and the Engine (each committed token is the target's Gumbel-max choice at its position, whichever node carried
+    it)."""
+    from test_sampling import seeded_generate
+
+    target, drafter = _tree_sampling_models()
+    prompts = [[1, 2, 3, 0, 1], [3, 1], [2, 2, 0, 1, 3, 1, 0]]
+    batch = seeded_generate(target, drafter, prompts, 5, verify_policy=policy, temperature=0.8)
+    assert policy != "fixed" or max(drafter.generation_stats.verify_lengths) > 3  # more nodes than positions
+    drafter.config.tree_budget = 0
+    assert batch == seeded_generate(target, drafter, prompts, 5, verify_policy=policy, temperature=0.8)
+    torch.manual_seed(5)
+    seeds = torch.randint(0, 2**63 - 1, (3,)).tolist()  # what generate() drew, one per row
+    plain = [Engine(target).generate([p], max_new_tokens=12, do_sample=True, temperature=0.8, seed=s)[0]
+             for p, s in zip(prompts, seeds)]  # fmt: skip
+    assert batch == plain
+    drafter.config.tree_budget = 6
+    engine = Engine(target, drafter, verify_policy="fixed")
+    outputs = [engine.generate([p], max_new_tokens=12, do_sample=True, temperature=0.8, seed=7)[0] for p in prompts]
+    assert outputs == [Engine(target).generate([p], max_new_tokens=12, do_sample=True, temperature=0.8, seed=7)[0]
+                       for p in prompts]  # fmt: skip
+
+
+def _tree_chi_square(n=1500):
+    from test_sampling import chi_square_rejects, draw, exact_joint, warpers
+
+    target, drafter = _tree_sampling_models()
+    probs = exact_joint(target, warpers())
+    torch.manual_seed(1234)
+    samples = draw(target, drafter, n, rows=50, top_k=0, top_p=1.0)
+    stats = drafter.generation_stats
+    return chi_square_rejects(samples, probs), stats
+
+
+def test_sampling_with_a_tree_matches_target_distribution():
+    """x1 comes from the prefill; x2 and x3 are decided inside the first round's tree (block 3, 6 nodes over a
+    4-token vocabulary: several children per node), and their joint law must be the target's."""
+    (rejects, stat, critical), stats = _tree_chi_square()
+    assert max(stats.verify_lengths) == 6 and max(stats.accepted_lengths) >= 2
+    assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: sampling with a tree differs from the target's"
+
+
+def test_negative_control_a_node_taken_without_the_targets_choice_is_detected(monkeypatch):
+    """The walk must move only to the child equal to the target's choice: taking the first node after the anchor
+    whatever the target chose (x2 then follows the drafter) must make the chi-square test fail. (Subtler tree bugs,
+    a node seeing its siblings or drawing with its slot's noise, do not move the first tokens' law enough on a tiny
+    random target to be seen here; the greedy identity tests above catch the first.)"""
+    from dspark_hf.decoding import core
+
+    def first_node_taken(tokens, parents, choices, lengths, max_depth):
+        choices = choices.clone()
+        choices[:, 0] = torch.where(lengths > 0, tokens[:, 0], choices[:, 0])
+        return accept_tree(tokens, parents, choices, lengths, max_depth)
+
+    monkeypatch.setattr(core, "accept_tree", first_node_taken)
+    (rejects, stat, critical), _ = _tree_chi_square()
+    assert rejects, f"the test failed to notice nodes taken without the target's choice (chi2 {stat:.1f})"
