@@ -98,7 +98,8 @@ def test_demo_prints_the_reply_and_times_alternating_runs(tmp_path, capsys):
     assert out.startswith("User: Hi\nAssistant: ") and "identical to plain greedy: True" in out
     assert "2 alternating runs each" in out
     # float32 CPU target: the padded baseline too, reported as the baseline where 2-row steps beat plain ones
-    assert "speedup over plain decoding through the same verify kernels" in out or "verify kernels do not make plain steps faster" in out
+    baseline = ("speedup over plain decoding through the same verify kernels", "do not make plain steps faster")
+    assert any(message in out for message in baseline)
     capsys.readouterr()
     assert main(["demo", "--repeats", "0", *models]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
