@@ -16,7 +16,6 @@ is printed too). Prints the CPU model and thread count.
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import time
 
@@ -24,18 +23,8 @@ import torch
 from transformers import DynamicCache
 
 import dspark_hf
+from dspark_hf.decoding.profiling import cpu_model
 from dspark_hf.kernels import verify_head
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def weight_bytes(target) -> int:
