@@ -5,6 +5,11 @@ target.generate(**inputs, assistant_model=drafter)   # batched, lossless
 target.generate(**inputs, custom_generate=dspark_hf.speculative_generate, drafter=drafter)   # the same, no routing
 """
 
+from .utils.third_party import import_torchao_quietly
+
+
+import_torchao_quietly()  # first: before transformers' model classes import it with notices that say nothing here
+
 from .decoding.scheduler import prefix_schedule
 from .decoding.stats import DSparkGenerationStats
 from .integrations.generation import generate, speculative_generate

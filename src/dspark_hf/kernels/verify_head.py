@@ -120,14 +120,53 @@ def verify_kernels(model, linears: list[nn.Linear] | None = None):
             object.__setattr__(module, "__class__", nn.Linear)
 
 
-def _pad_step(kwargs: dict) -> bool:
-    """Turn the keyword inputs of a one-token step with a filled cache into a two-token step, in place; returns
-    whether it did (a prefill, an embeddings call or a positional call is left alone)."""
+def one_token_step(kwargs: dict) -> bool:
+    """Whether a forward's keyword inputs are a one-token decoding step with a filled cache (not a prefill, nor an
+    embeddings call)."""
     input_ids = kwargs.get("input_ids")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if input_ids is None or input_ids.shape[-1] != 1 or cache is None or cache.get_seq_length() == 0:
-        return False
-    kwargs["input_ids"] = input_ids.repeat(1, 2)  # (B, 2): the second copy is junk, cropped again after the forward
+    return input_ids is not None and input_ids.shape[-1] == 1 and cache is not None and cache.get_seq_length() > 0
+
+
+@contextlib.contextmanager
+def step_scopes(model, enter, leave=None):
+    """Within the block, every one-token decoding step of `model` (a keyword call with a filled cache: `generate()`'s
+    steps) runs inside the context manager `enter(kwargs)` returns; `enter` may change the step's keyword inputs in
+    place first. After the forward the scope closes, and `leave(kwargs, output)`, if given, returns the output to use.
+    The hooks are removed on exit, and a scope left open by a forward that raised is closed."""
+    state = {"scope": None}  # the scope of the step in flight
+
+    def pre(module, args, kwargs):
+        if args or not one_token_step(kwargs):
+            return None
+        scope = contextlib.ExitStack()
+        scope.enter_context(enter(kwargs))
+        state["scope"] = scope
+        return args, kwargs
+
+    def post(module, args, kwargs, output):
+        if state["scope"] is None:
+            return None
+        state["scope"].close()
+        state["scope"] = None
+        return None if leave is None else leave(kwargs, output)
+
+    handles = [
+        model.register_forward_pre_hook(pre, with_kwargs=True),
+        model.register_forward_hook(post, with_kwargs=True),
+    ]
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        if state["scope"] is not None:  # a forward raised between the two hooks
+            state["scope"].close()
+
+
+def _pad_step(kwargs: dict) -> None:
+    """Turn the keyword inputs of a one-token step with a filled cache into a two-token step, in place."""
+    kwargs["input_ids"] = kwargs["input_ids"].repeat(1, 2)  # (B, 2): the second copy is junk, cropped after the step
     mask = kwargs.get("attention_mask")
     if mask is not None:
         if mask.dim() != 2:
@@ -140,10 +179,8 @@ def _pad_step(kwargs: dict) -> bool:
         kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + 1], dim=-1)
     if isinstance(kwargs.get("logits_to_keep"), int) and kwargs["logits_to_keep"] > 0:
         kwargs["logits_to_keep"] = 2
-    return True
 
 
-@contextlib.contextmanager
 def padded_steps(model):
     """Within the block, every one-token decoding step of `model.generate()` (or any keyword call with a filled
     cache) runs as two rows with the few-rows products on, and returns the first row's logits as a one-token step
@@ -152,35 +189,17 @@ def padded_steps(model):
     The cache must support `crop` (a `DynamicCache`, the default); only `logits` is cut back to one position (hidden
     states and attentions, if asked for, keep the junk one).
     """
-    padded = {"scope": None}  # the verify scope of the padded step in flight
 
-    def pad(module, args, kwargs):
-        if args or not _pad_step(kwargs):
-            return None
-        padded["scope"] = contextlib.ExitStack()
-        padded["scope"].enter_context(verify_kernels(model))
-        return args, kwargs
+    def pad(kwargs):
+        _pad_step(kwargs)
+        return verify_kernels(model)
 
-    def crop(module, args, kwargs, output):
-        if padded["scope"] is None:
-            return None
-        padded["scope"].close()
-        padded["scope"] = None
+    def crop(kwargs, output):
         kwargs.get("cache", kwargs.get("past_key_values")).crop(-1)  # forget the junk position
         output.logits = output.logits[:, :1]  # (B, 1, V): the real token's
         return output
 
-    handles = [
-        model.register_forward_pre_hook(pad, with_kwargs=True),
-        model.register_forward_hook(crop, with_kwargs=True),
-    ]
-    try:
-        yield model
-    finally:
-        for handle in handles:
-            handle.remove()
-        if padded["scope"] is not None:  # a forward raised between the two hooks
-            padded["scope"].close()
+    return step_scopes(model, pad, crop)
 
 
 __all__ = [
@@ -188,7 +207,9 @@ __all__ = [
     "VerifyLinear",
     "eligible",
     "eligible_linears",
+    "one_token_step",
     "padded_steps",
+    "step_scopes",
     "verify_kernels",
     "version",
 ]

@@ -37,7 +37,7 @@ from . import verify_head
 from .few_rows import version_counter
 from .packed_linear import _check_available
 from .verify_attention import routed
-from .verify_head import eligible_linears, verify_kernels
+from .verify_head import eligible_linears, step_scopes, verify_kernels
 
 
 logger = logging.get_logger(__name__)
@@ -418,40 +418,13 @@ def kernel_choice(model: nn.Module) -> VerifyKernels:
     return choice
 
 
-@contextlib.contextmanager
 def measured_steps(model: nn.Module):
     """Within the block, every one-token decoding step of `model.generate()` (a keyword call with a filled cache)
     runs its linears the way measured for its rows (`kernel_choice`), as a plain round of a decode loop does: plain
     decoding at the verify kernels' speed, the kernel-neutral baseline of `dspark-hf bench`. Same tokens up to float
     rounding; the hooks are removed on exit."""
     choice, linears = kernel_choice(model), eligible_linears(model)
-    state: dict = {"scope": None}
-
-    def enter(module, args, kwargs):
-        ids = kwargs.get("input_ids")
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if args or ids is None or ids.shape[-1] != 1 or cache is None or cache.get_seq_length() == 0:
-            return None
-        state["scope"] = contextlib.ExitStack()
-        state["scope"].enter_context(choice.verify(model, ids.numel(), linears))
-        return None
-
-    def leave(module, args, kwargs, output):
-        if state["scope"] is not None:
-            state["scope"].close()
-            state["scope"] = None
-
-    handles = [
-        model.register_forward_pre_hook(enter, with_kwargs=True),
-        model.register_forward_hook(leave, with_kwargs=True),
-    ]
-    try:
-        yield model
-    finally:
-        for handle in handles:
-            handle.remove()
-        if state["scope"] is not None:  # a forward raised between the two hooks
-            state["scope"].close()
+    return step_scopes(model, lambda kwargs: choice.verify(model, kwargs["input_ids"].numel(), linears))
 
 
 __all__ = [
