@@ -81,16 +81,20 @@ PADDED_SPS = {1: 10.0, 2: 4.0, 3: 8.0, 4: 5.0}
 
 
 def setup_models(kind="dspark"):
-    target = make_target(vocab_size=VOCAB, seed=3)
+    """The target has 2 layers and the drafter 1 (depth plays no part in acceptance, and thousands of generate()
+    calls run on them); EAGLE-3's target has 4, as it taps three distinct layers below the last."""
     if kind == "eagle3":
+        target = make_target(vocab_size=VOCAB, seed=3)
         return target, make_eagle(target, block_size=3)
-    drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="threshold", confidence_threshold=0.3)
+    target = make_target(vocab_size=VOCAB, num_layers=2, seed=3)
+    shape = dict(num_hidden_layers=1, block_size=3, markov_rank=4, target_layer_ids=[0])
+    drafter = make_drafter(target, **shape, verify_policy="threshold", confidence_threshold=0.3)
     if kind == "dspark_draft_vocab":  # drafts never propose token 2; the target still emits it at its rate
         drafter.set_draft_vocab([0, 1, 3])
     if kind == "dspark_bf16":  # a bf16 drafter beside the float32 target (the default on a CPU with native bf16)
         drafter = drafter.to(torch.bfloat16)
     if kind == "dspark_padded":  # Algorithm 1 on a profile where 2 tokens cost more than 3: verifies are padded
-        drafter = make_drafter(target, block_size=3, markov_rank=4, verify_policy="scheduler", draft_gate=False)
+        drafter = make_drafter(target, **shape, verify_policy="scheduler", draft_gate=False)
         drafter.sps_profile = PADDED_SPS
     return target, drafter
 
