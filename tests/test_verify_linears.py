@@ -57,15 +57,27 @@ def test_measure_times_each_way_per_row_count_with_the_injected_clock(monkeypatc
 
     monkeypatch.setattr(verify_linears, "_one_pass", fake_pass)
     target = make_target()
-    table = measure(target, rows=(1, 2, 3, 6), repeats=2, clock=lambda: now[0])
+    table = measure(target, rows=(1, 2, 3, 6, 12), repeats=2, clock=lambda: now[0])
     ways = {(w, n) for w, n in seen}
-    assert ("few rows", 1) not in ways and ("few rows", 2) in ways  # few rows only where its products act
+    assert {n for w, n in ways if w == "few rows"} == {1, 2, 3, 6}  # only where its products act (<= 8 rows)
     assert all(seen.count(case) == 3 for case in ways)  # one untimed pass, then `repeats`
-    assert table.ms["linear"] == {1: 2000.0, 2: 3000.0, 3: 4000.0, 6: 7000.0}
+    assert table.ms["linear"] == {1: 2000.0, 2: 3000.0, 3: 4000.0, 6: 7000.0, 12: 13000.0}
     if packable(target):
-        assert table.choice == {1: ("packed", 3), 2: ("packed", 3), 3: ("packed", 3), 6: ("packed", 6)}
+        assert table.choice == {
+            1: ("packed", 3),
+            2: ("packed", 3),
+            3: ("packed", 3),
+            6: ("packed", 6),
+            12: ("packed", 12),
+        }
     else:
-        assert table.choice == {1: ("linear", 1), 2: ("few rows", 2), 3: ("linear", 3), 6: ("linear", 6)}
+        assert table.choice == {
+            1: ("linear", 1),
+            2: ("few rows", 2),
+            3: ("linear", 3),
+            6: ("linear", 6),
+            12: ("linear", 12),
+        }
 
 
 @needs_packing
