@@ -167,3 +167,22 @@ def test_the_choice_follows_measured_verify_times_and_retries_the_other_way():
         choice.record(4, way, cost[way])
     assert ways[-4:] == ["packed"] * 3 + ["linear"]  # packed again, F.linear only on its retries
     assert choice.pick(2, "linear") == "linear"  # nothing else to try where the table says F.linear
+
+
+def test_whole_verifies_decide_among_every_way_that_applies():
+    """The table (the linears alone) says packed; whole verifies measure the few-row products fastest. Each other way
+    is tried early until measured (a packed or few-row way's first verify is a warm-up), then the fastest runs, and
+    the retries take the others in turn."""
+    choice = VerifyKernels(KernelTable({2: ("packed", 4)}), retry=8)
+    cost = {"packed": 0.04, "few rows": 0.03, "linear": 0.06}
+    ways = []
+    for _ in range(24):
+        way = choice.pick(2, "packed", ["few rows", "packed"])
+        ways.append(way)
+        choice.record(2, way, cost[way])
+    # packed (warm-up), few rows (warm-up), packed, few rows (now measured), the best, linear (measured), the best
+    assert ways[:7] == ["packed", "few rows", "packed", "few rows", "few rows", "linear", "few rows"]
+    retries = [i for i, way in enumerate(ways) if i > 6 and way != "few rows"]
+    assert retries == [7, 15, 23] and {ways[7], ways[15]} == {"packed", "linear"}  # every 8th, the others in turn
+    table = KernelTable({1: ("few rows", 1)}, {"packed": {2: 30.0, 4: 20.0, 8: 25.0}})
+    assert table.pad("packed", 1) == 4 and table.pad("packed", 5) == 8 and table.pad("few rows", 3) == 3

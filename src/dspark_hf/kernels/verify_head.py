@@ -61,7 +61,7 @@ class VerifyLinear(nn.Linear):
             # one column would be a matrix-vector product, which some BLAS builds run at half the speed of a
             # two-column product of the same weight (MKL on AMD EPYC: 46 against 21 ms over SmolLM2's linears):
             # the row twice, the first kept
-            pair = hidden.reshape(1, hidden.shape[-1]).expand(2, -1)
+            pair = hidden.reshape(1, hidden.shape[-1]).repeat(2, 1)  # a real copy: BLAS takes no zero stride
             return linear_few_rows(pair, self.weight, self.bias)[:1].reshape(*hidden.shape[:-1], -1)
         if MIN_ROWS <= rows <= self.max_rows:
             return linear_few_rows(hidden, self.weight, self.bias)
