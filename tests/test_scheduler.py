@@ -5,6 +5,7 @@ import pytest
 from dspark_hf.decoding.policy import VerifyPolicy
 from dspark_hf.decoding.scheduler import (
     DraftGate,
+    RoundCosts,
     SPSCurve,
     conditional_confidences,
     drafting_pays,
@@ -283,8 +284,8 @@ def test_conditional_confidences_undo_the_cumulative_product():
     assert conditional_confidences([]) == []
 
 
-def _gate_run(gate, now, rounds, drafted_seconds, plain_seconds, drafted_tokens=3):
-    """`rounds` rounds of one request on a fake clock: a drafted round commits `drafted_tokens` in
+def _gate_run(gate, now, rounds, drafted_seconds, plain_seconds, drafted_tokens=(3,)):
+    """`rounds` rounds of one request on a fake clock: the i-th drafted round commits `drafted_tokens[i % len]` in
     `drafted_seconds`, a plain one 1 token in `plain_seconds`; the draft pass is priced cheap, so the prediction
     alone would always draft. Returns the decisions."""
     confident = [[0.9, 0.9, 0.9]]
@@ -294,9 +295,24 @@ def _gate_run(gate, now, rounds, drafted_seconds, plain_seconds, drafted_tokens=
         if drafted:
             gate.record(0.001, confident)
         now[0] += drafted_seconds if drafted else plain_seconds
-        gate.end_round(drafted_tokens if drafted else 1)
+        gate.end_round(drafted_tokens[sum(decisions) % len(drafted_tokens)] if drafted else 1)
         decisions.append(drafted)
     return decisions
+
+
+def test_draft_gate_keeps_drafting_through_runs_of_rejected_drafts():
+    """Acceptance is bursty: here three drafted rounds in four commit only their anchor's token and the fourth five,
+    2 tokens a round on average, 30 ms a token against 35 for a plain round. A run of rejections must not price
+    drafting above plain (with tokens weighted as fast as seconds it did, and the gate then stayed plain)."""
+    now = [0.0]
+    gate = DraftGate({b: 10.0 for b in range(1, 10)}, clock=lambda: now[0])
+    decisions = _gate_run(gate, now, 200, 0.06, 0.035, drafted_tokens=(1, 1, 1, 5))
+    assert sum(decisions[40:]) >= 0.9 * 160, sum(decisions[40:])
+    assert gate.rounds[True].per_token(1) < gate.rounds[False].per_token(1)
+    fast = RoundCosts(0.3, token_weight=0.3)  # the negative control: tokens as fast as seconds
+    for tokens in (1, 1, 5, 1, 1, 1):
+        fast.add(1, 0.06, tokens)
+    assert fast.per_token(1) > 0.035  # three rejections in a row: dearer than plain, although 2 a round on average
 
 
 def test_draft_gate_follows_measured_round_times_and_recovers_when_the_load_changes():

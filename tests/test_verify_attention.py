@@ -140,7 +140,7 @@ def test_routed_only_while_verifying():
 
 def test_switch_off(monkeypatch):
     target = sdpa_target()
-    assert verify_head.version(target) == verify_head.VERSION == 4
+    assert verify_head.version(target) == verify_head.VERSION == 5
     monkeypatch.setattr(verify_attention, "ENABLED", False)
     with verify_kernels(target):
         assert target.config._attn_implementation == "sdpa"

@@ -57,15 +57,27 @@ def test_measure_times_each_way_per_row_count_with_the_injected_clock(monkeypatc
 
     monkeypatch.setattr(verify_linears, "_one_pass", fake_pass)
     target = make_target()
-    table = measure(target, rows=(1, 2, 3, 6), repeats=2, clock=lambda: now[0])
+    table = measure(target, rows=(1, 2, 3, 6, 12), repeats=2, clock=lambda: now[0])
     ways = {(w, n) for w, n in seen}
-    assert ("few rows", 1) not in ways and ("few rows", 2) in ways  # few rows only where its products act
+    assert {n for w, n in ways if w == "few rows"} == {1, 2, 3, 6}  # only where its products act (<= 8 rows)
     assert all(seen.count(case) == 3 for case in ways)  # one untimed pass, then `repeats`
-    assert table.ms["linear"] == {1: 2000.0, 2: 3000.0, 3: 4000.0, 6: 7000.0}
+    assert table.ms["linear"] == {1: 2000.0, 2: 3000.0, 3: 4000.0, 6: 7000.0, 12: 13000.0}
     if packable(target):
-        assert table.choice == {1: ("packed", 3), 2: ("packed", 3), 3: ("packed", 3), 6: ("packed", 6)}
+        assert table.choice == {
+            1: ("packed", 3),
+            2: ("packed", 3),
+            3: ("packed", 3),
+            6: ("packed", 6),
+            12: ("packed", 12),
+        }
     else:
-        assert table.choice == {1: ("linear", 1), 2: ("few rows", 2), 3: ("linear", 3), 6: ("linear", 6)}
+        assert table.choice == {
+            1: ("linear", 1),
+            2: ("few rows", 2),
+            3: ("linear", 3),
+            6: ("linear", 6),
+            12: ("linear", 12),
+        }
 
 
 @needs_packing
@@ -155,3 +167,22 @@ def test_the_choice_follows_measured_verify_times_and_retries_the_other_way():
         choice.record(4, way, cost[way])
     assert ways[-4:] == ["packed"] * 3 + ["linear"]  # packed again, F.linear only on its retries
     assert choice.pick(2, "linear") == "linear"  # nothing else to try where the table says F.linear
+
+
+def test_whole_verifies_decide_among_every_way_that_applies():
+    """The table (the linears alone) says packed; whole verifies measure the few-row products fastest. Each other way
+    is tried early until measured (a packed or few-row way's first verify is a warm-up), then the fastest runs, and
+    the retries take the others in turn."""
+    choice = VerifyKernels(KernelTable({2: ("packed", 4)}), retry=8)
+    cost = {"packed": 0.04, "few rows": 0.03, "linear": 0.06}
+    ways = []
+    for _ in range(24):
+        way = choice.pick(2, "packed", ["few rows", "packed"])
+        ways.append(way)
+        choice.record(2, way, cost[way])
+    # packed (warm-up), few rows (warm-up), packed, few rows (now measured), the best, linear (measured), the best
+    assert ways[:7] == ["packed", "few rows", "packed", "few rows", "few rows", "linear", "few rows"]
+    retries = [i for i, way in enumerate(ways) if i > 6 and way != "few rows"]
+    assert retries == [7, 15, 23] and {ways[7], ways[15]} == {"packed", "linear"}  # every 8th, the others in turn
+    table = KernelTable({1: ("few rows", 1)}, {"packed": {2: 30.0, 4: 20.0, 8: 25.0}})
+    assert table.pad("packed", 1) == 4 and table.pad("packed", 5) == 8 and table.pad("few rows", 3) == 3

@@ -180,22 +180,30 @@ def drafting_pays(
 
 class RoundCosts:
     """Exponentially weighted seconds and tokens of recent rounds of one kind (drafted or plain), per row count:
-    `per_token(rows)` is their ratio, the measured cost of a committed token (None until a round is recorded)."""
+    `per_token(rows)` is their ratio, the measured cost of a committed token (None until a round is recorded).
 
-    def __init__(self, weight: float):
+    The two move at different speeds. A round's time follows the machine's load and is weighted by `weight`; the
+    tokens it commits follow the text, one round accepting none and the next several, so they are averaged over
+    about `1 / token_weight` rounds. Weighting tokens as fast as seconds let a short run of rejected drafts price
+    drafting above plain decoding on a quiet machine and close the gate for rounds that would have paid. Both start
+    as plain means (weight 1/n for the n-th round) until their weight is reached."""
+
+    def __init__(self, weight: float, token_weight: float | None = None):
         self.weight = weight
+        self.token_weight = weight / 6 if token_weight is None else token_weight
         self.seconds: dict[int, float] = {}
         self.tokens: dict[int, float] = {}
         self.count: dict[int, int] = {}
 
     def add(self, rows: int, seconds: float, tokens: int) -> None:
         """One round; the first of each row count is left out (a warm-up: first kernels, measuring, allocating)."""
-        self.count[rows] = self.count.get(rows, 0) + 1
-        if self.count[rows] == 1:
+        n = self.count[rows] = self.count.get(rows, 0) + 1
+        if n == 1:
             return
-        w = self.weight if rows in self.seconds else 1.0
+        mean = 1.0 / (n - 1)  # the n-1-th round measured
+        w, wt = max(self.weight, mean), max(self.token_weight, mean)
         self.seconds[rows] = (1 - w) * self.seconds.get(rows, 0.0) + w * seconds
-        self.tokens[rows] = (1 - w) * self.tokens.get(rows, 0.0) + w * tokens
+        self.tokens[rows] = (1 - wt) * self.tokens.get(rows, 0.0) + wt * tokens
 
     def per_token(self, rows: int) -> float | None:
         tokens = self.tokens.get(rows)

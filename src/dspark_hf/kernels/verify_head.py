@@ -38,9 +38,10 @@ from .weights import computes_with_weight
 
 ENABLED = True
 # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear, 3 = and sdpa's GQA unrepeated, 4 = the way of
-# every linear measured per machine and row count (`verify_linears`: packed, few rows or `F.linear`)
-VERSION = 4
-MIN_ROWS = 2
+# every linear measured per machine and row count (`verify_linears`: packed, few rows or `F.linear`), 5 = one row as
+# two few-rows columns among the ways measured
+VERSION = 5
+MIN_ROWS = 1  # a single row runs as two (`VerifyLinear.forward`); whether that pays is measured (`verify_linears`)
 MAX_ROWS_HEAD = 8  # the LM head: no gain beyond 8 rows on 1 thread (docs/history.md, "The verify LM head")
 MAX_ROWS = 5  # the layers' projections: slower from 6 rows on 1 thread
 
@@ -56,6 +57,12 @@ class VerifyLinear(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.numel() // max(hidden.shape[-1], 1)
+        if rows == 1 and MIN_ROWS <= 1:
+            # one column would be a matrix-vector product, which some BLAS builds run at half the speed of a
+            # two-column product of the same weight (MKL on AMD EPYC: 46 against 21 ms over SmolLM2's linears):
+            # the row twice, the first kept
+            pair = hidden.reshape(1, hidden.shape[-1]).repeat(2, 1)  # a real copy: BLAS takes no zero stride
+            return linear_few_rows(pair, self.weight, self.bias)[:1].reshape(*hidden.shape[:-1], -1)
         if MIN_ROWS <= rows <= self.max_rows:
             return linear_few_rows(hidden, self.weight, self.bias)
         return super().forward(hidden)

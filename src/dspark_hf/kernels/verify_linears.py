@@ -246,6 +246,12 @@ class KernelTable:
             return ("linear", rows)
         return (self.choice[min(above)][0], rows)
 
+    def pad(self, way: str, rows: int) -> int:
+        """The row count a pass of `rows` rows the `way` way runs at: "packed" at its cheapest measured count at or
+        above `rows` (as `choose` prices it), the others unpadded."""
+        packed = [(t, r) for r, t in self.ms.get("packed", {}).items() if r >= rows]
+        return min(packed)[1] if way == "packed" and packed else rows
+
     def to_json(self) -> dict:
         return {
             "choice": {str(r): [way, pad] for r, (way, pad) in self.choice.items()},
@@ -333,11 +339,14 @@ class VerifyKernels:
     measured on first use (`measure`) unless set from a matching profile (`profiling.sps_for`), kept up to date as
     it runs.
 
-    The table is measured on a quiet machine; another process on the same cores changes which way is fastest
-    (oneDNN's many small calls wait on busy threads longer than transformers' own products). So each verify is
-    timed, per row count and way (exponentially weighted, `weight`; a packed or few-row way's first verify, which
-    may pack the weights, left out), the 2nd, 4th and every `retry`-th verify at a row count runs the other way (the
-    table's, or transformers' own `F.linear`), and the way with the lower measured time is used.
+    The table times the linears alone, on a quiet machine, from two passes: what a whole verify costs each way can
+    differ (the packed way's fused products are split and padded rows dropped in the forward, the few-row products
+    leave the attention as it is), and another process on the same cores changes which way is fastest (oneDNN's many
+    small calls wait on busy threads longer than transformers' own products). So each verify is timed, per row count
+    and way (exponentially weighted, `weight`; a packed or few-row way's first verify, which may pack the weights,
+    left out); the 2nd, 4th, ... verifies at a row count try each other way that applies until each has been
+    measured, every `retry`-th one after that the next of them in turn, and the way with the lowest measured time
+    is used.
     """
 
     def __init__(
@@ -351,6 +360,7 @@ class VerifyKernels:
         self.seconds: dict[tuple[int, str], float] = {}  # (rows, way) -> smoothed seconds of a verify
         self.seen: dict[tuple[int, str], int] = {}
         self.verifies: dict[int, int] = {}
+        self.retries: dict[int, int] = {}
 
     def ensure(self, model: nn.Module, linears: list[nn.Linear] | None = None) -> KernelTable:
         if self.table is None:
@@ -362,17 +372,25 @@ class VerifyKernels:
             )
         return self.table
 
-    def pick(self, rows: int, way: str) -> str:
-        """The way this verify of `rows` rows runs: the table's `way` or `F.linear`, whichever measured faster
-        lately, and every `retry`-th verify the other one."""
+    def pick(self, rows: int, way: str, others: Iterable[str] = ()) -> str:
+        """The way this verify of `rows` rows runs, among the table's `way`, `others` and `F.linear`: the one that
+        measured fastest lately (the table's until it is measured), or one of the others on a retry."""
         n = self.verifies.get(rows, 0)
         self.verifies[rows] = n + 1
-        if way == "linear":
+        options = [way, *(o for o in others if o != way)]
+        if "linear" not in options and way != "linear":
+            options.append("linear")
+        if len(options) == 1:
             return way
-        mine, other = self.seconds.get((rows, way)), self.seconds.get((rows, "linear"))
-        best = "linear" if mine is not None and other is not None and other < mine else way
-        if n in (1, 3) or n % self.retry == self.retry - 1:  # early (the first run may be a warm-up), then seldom
-            return way if best == "linear" else "linear"
+        measured = {o: self.seconds[(rows, o)] for o in options if (rows, o) in self.seconds}
+        best = min(measured, key=measured.get) if way in measured else way
+        if (n % 2 and n < 2 * len(options)) or n % self.retry == self.retry - 1:  # early, then seldom
+            alternatives = [o for o in options if o != best]
+            unmeasured = [o for o in alternatives if o not in measured]
+            if unmeasured:
+                return unmeasured[0]
+            self.retries[rows] = self.retries.get(rows, 0) + 1
+            return alternatives[self.retries[rows] % len(alternatives)]
         return best
 
     def record(self, rows: int, way: str, seconds: float) -> None:
@@ -388,9 +406,16 @@ class VerifyKernels:
         """One forward of `rows` rows through the target, its linears the measured way."""
         if FORCE is not None:
             way, pad = FORCE, rows
+        elif verify_head.ENABLED:
+            table = self.ensure(model, linears)
+            way, pad = table.way(rows)
+            others = ["few rows"] if verify_head.MIN_ROWS <= rows <= verify_head.MAX_ROWS_HEAD else []
+            others += ["packed"] if packable(model, linears) else []
+            chosen = self.pick(rows, way, others)
+            if chosen != way:
+                way, pad = chosen, table.pad(chosen, rows)
         else:
-            way, pad = self.ensure(model, linears).way(rows) if verify_head.ENABLED else ("linear", rows)
-            way = self.pick(rows, way) if verify_head.ENABLED else way
+            way, pad = "linear", rows
         if way == "packed" and not packable(model, linears):
             way = "linear"
         start = self.clock()
