@@ -80,12 +80,19 @@ def part_generate(args, target, tokenizer, drafter) -> dict:
         "drafter, new": lambda i, n: _with(old_path(False), target.generate, i, assistant_model=drafter,
                                            max_new_tokens=n, **kwargs),
     }  # fmt: skip
+    if args.reverse:  # the drafter's ways in the other order (the first one also pays what is measured once)
+        ways = {name: ways[name] for name in ("plain", "drafter, new", "drafter, old")}
     for way in ways.values():  # warm-up on a short prompt: kernel choices, profiles
         way(ids[:, -64:], 8)
+    if args.warm_up:  # and one drafted generation on the prompt itself: the verify kernels measure as they run
+        ways["drafter, new"](ids, args.warm_up)
     counts = (1,) if args.part == "prefill" else (1, args.new_tokens)
     times, outputs = {}, {}
-    for _ in range(args.repeats):
-        for name, way in ways.items():
+    for repeat in range(args.repeats):
+        order = list(ways.items())
+        if repeat % 2:  # alternate the drafter's two ways
+            order = [order[0]] + order[:0:-1]
+        for name, way in order:
             for n in counts:
                 start = time.perf_counter()
                 outputs[name, n] = way(ids, n)
@@ -192,6 +199,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("part", choices=["prefill", "steps", "generate"])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reverse", action="store_true", help="generate: run the new way before the old one")
+    parser.add_argument("--warm-up", type=int, default=0, help="generate: first decode this many tokens drafted")
     parser.add_argument("--length", default="2k")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", default=None, help="accumulate results in this file (one key per part and length)")
@@ -208,7 +217,9 @@ def main() -> None:
     if args.json:
         path = Path(args.json)
         data = json.loads(path.read_text()) if path.exists() else {}
-        data[f"{args.part} {args.length}"] = result
+        suffix = " reversed" if args.reverse else ""
+        suffix += f" warm {args.warm_up} x{args.repeats}" if args.warm_up else ""
+        data[f"{args.part} {args.length}{suffix}"] = result
         path.write_text(json.dumps(data, indent=1) + "\n")
 
 
