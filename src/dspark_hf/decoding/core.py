@@ -33,6 +33,7 @@ import torch
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears
+from ..utils.compat import selects_hidden_states
 from .acceptance import accept_greedy, accept_tree
 from .drafting import candidate_generator_for
 from .policy import VerifyPolicy
@@ -40,6 +41,9 @@ from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, choose_tokens, process_logits
 from .stats import RECORDERS, DraftRound
 from .trees import slot_parents, slot_paths, tree_attention_mask
+
+
+SELECT_HIDDEN_STATES = True  # False: ask the target for every layer's hidden states (for side-by-side timings)
 
 
 class SpeculativeDecoder:
@@ -87,6 +91,7 @@ class SpeculativeDecoder:
         self.policy = policy
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
+        self._selects = selects_hidden_states(target)
         self._linears = eligible_linears(target)  # kept here (never on the target) for `verify_kernels`
         # a dynamically quantized target's linears verify token by token, as its one-token steps run (weights.py)
         self._per_token = per_token_linears(target)
@@ -137,7 +142,7 @@ class SpeculativeDecoder:
         if len(set(lengths)) > 1:
             kwargs["attention_mask"] = valid.long()
         cache = RaggedCache(self.device, batch_size=len(rows))
-        hidden = bool(self.taps) or any(row.keeps_hidden_states for row in rows)
+        hidden = self._hidden_states_wanted(any(row.keeps_hidden_states for row in rows))
         out = self.target(
             input_ids=ids, use_cache=True, output_hidden_states=hidden, **kwargs, **{self.cache_arg: cache.cache}
         )
@@ -265,6 +270,7 @@ class SpeculativeDecoder:
         anchor_r + j and predicts the token after it.
         """
         keep_hidden = any(row.keeps_hidden_states for row in self.rows)
+        hidden = self._hidden_states_wanted(keep_hidden)
         lengths = torch.tensor(drafts.lengths, device=self.device)
         width = max(drafts.lengths) + 1
         anchors = torch.tensor([[row.seq[-1]] for row in self.rows], device=self.device)
@@ -288,7 +294,7 @@ class SpeculativeDecoder:
         ):
             out = self.target(
                 input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                output_hidden_states=bool(self.taps) or keep_hidden, **{self.cache_arg: self.target_cache.cache},
+                output_hidden_states=hidden, **{self.cache_arg: self.target_cache.cache},
             )  # fmt: skip
         self.counts["rounds"] += 1
         features = self._features(out) if self.taps else None
@@ -382,6 +388,14 @@ class SpeculativeDecoder:
             if cache.batch_size and (sliding or cache.hole_fraction() > self.compact_fraction):
                 cache.compact()
                 self.counts["compactions"] += 1
+
+    def _hidden_states_wanted(self, every_layer: bool) -> bool | list[int]:
+        """`output_hidden_states` for a target forward: every layer's when a row keeps them, else only the tapped
+        ones where transformers can select them (`compat.selects_hidden_states`; the others are never kept: at 8k
+        positions 31 layers of SmolLM2 are 0.6 GB, the drafter's 5 taps 0.1 GB), else all or none."""
+        if every_layer or not self.taps:
+            return every_layer
+        return list(self.taps) if SELECT_HIDDEN_STATES and self._selects else True
 
     def _features(self, out) -> torch.Tensor:
         """Tapped target layers, concatenated in `target_layer_ids` order: (B, L, m·d)."""

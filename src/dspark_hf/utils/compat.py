@@ -39,6 +39,21 @@ PRIVATE_API = (
         ("5.24", "5.25"),
     ),
     PrivateName(
+        "DynamicLayer subclassed (update writes into a buffer with spare slots; keys/values stay views of it, which "
+        "crop and batch_select_indices slice or replace); Cache.layer_class_to_replicate set after construction",
+        "ragged_cache.AppendCache / AppendLayer",
+        "no copy of the whole KV cache per forward (DynamicLayer.update concatenates), so a round costs the same "
+        "bookkeeping at 8k positions as at 256",
+        ("5.25",),
+    ),
+    PrivateName(
+        "output_hidden_states given as a list of indices keeps only those hidden states, the others None "
+        "(utils.output_capturing.selected_hidden_states, for models with _can_record_outputs)",
+        "core.SpeculativeDecoder._hidden_states_wanted, compat.selects_hidden_states",
+        "the prefill and verify keep only the drafter's tapped layers instead of every layer's hidden states",
+        ("5.25",),
+    ),
+    PrivateName(
         "custom_generate callables receive only the kwargs their signature names beyond GenerationMixin._sample's; "
         "assistant_model, streamer and tokenizer are dropped",
         "generation.install / generation.generate",
@@ -69,6 +84,21 @@ PRIVATE_API = (
     ),
 )
 
+
+def selects_hidden_states(model) -> bool:
+    """Whether `model(..., output_hidden_states=[i, j, ...])` keeps only those layers' hidden states (the others come
+    back as None): models whose base model records its outputs by transformers' hooks (`_can_record_outputs`), on
+    a release whose recorder takes indices. Elsewhere a list would still ask for every layer (it is truthy)."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return False
+    if not hasattr(output_capturing, "selected_hidden_states"):
+        return False
+    base = getattr(model, "base_model", model)
+    return "hidden_states" in (getattr(base, "_can_record_outputs", None) or {})
+
+
 # the transformers releases this package was tested with: the public hook exists from 5.24 on (see README)
 TESTED = ("5.24", "5.25")
 MIN_VERSION, MAX_VERSION = "5.24.0", "6.0.0"
@@ -90,4 +120,11 @@ def check_transformers_version() -> None:
         )
 
 
-__all__ = ["MIN_VERSION", "PRIVATE_API", "TESTED", "PrivateName", "check_transformers_version"]
+__all__ = [
+    "MIN_VERSION",
+    "PRIVATE_API",
+    "TESTED",
+    "PrivateName",
+    "check_transformers_version",
+    "selects_hidden_states",
+]
