@@ -241,6 +241,8 @@ def test_draft_gate_measures_then_predicts_and_probes():
     sps = {b: 10.0 for b in range(1, 10)}  # 100 ms per verify, any size
     gate = DraftGate(sps, probe_interval=3)
     assert gate.should_draft([None, None], [4, 4])  # nothing measured yet
+    gate.record(9.0, [[0.9, 0.5], [0.7]])  # the first pass at two rows is a warm-up: not priced
+    assert gate.cost(2) is None and gate.should_draft([None, None], [4, 4])
     gate.record(0.5, [[0.9, 0.5], [0.7]])  # 500 ms for two rows
     assert gate.prior == pytest.approx([0.8, 0.5]) and gate.cost(2) == 0.5 and gate.cost(3) is None
     decisions = [gate.should_draft([[0.9, 0.5], None], [4, 4]) for _ in range(4)]
@@ -344,3 +346,36 @@ def test_a_fixed_draft_price_ignores_round_times():
         DraftGate({1: 1.0}, weight=0.0)
     with pytest.raises(ValueError, match="plain_probe_interval"):
         DraftGate({1: 1.0}, plain_probe_interval=0)
+
+
+def test_the_gates_measurements_outlive_a_generate_call():
+    """A second call's gate starts from what the first measured (no warm-up, no forced plain rounds to re-measure);
+    another target, or a fixed draft price, starts afresh."""
+    from conftest import make_drafter, make_target
+
+    target = make_target()
+    drafter = make_drafter(target, verify_policy="scheduler")
+    sps = {b: 10.0 for b in range(1, 20)}
+    first = VerifyPolicy.for_drafter(drafter, target, sps=sps).gate
+    now = [0.0]
+    first.clock = lambda: now[0]
+    _gate_run(first, now, 40, 0.06, 0.04)
+    second = VerifyPolicy.for_drafter(drafter, target, sps=sps).gate
+    assert second is not first and second.memory is first.memory and second.cost(1) == first.cost(1)
+    second.clock = lambda: now[0]
+    assert all(_gate_run(second, now, 6, 0.06, 0.04))  # drafts from its first round: both costs known
+    assert VerifyPolicy.for_drafter(drafter, make_target(), sps=sps).gate.memory is not first.memory
+    assert VerifyPolicy.for_drafter(drafter, target, sps=sps, draft_seconds=0.01).gate.memory is not first.memory
+    assert not any("gate" in name or "memory" in name for name in vars(drafter))  # kept beside, never on it
+
+
+def test_a_round_whose_verify_tried_another_kernel_is_not_measured():
+    now = [0.0]
+    gate = DraftGate({b: 10.0 for b in range(1, 10)}, clock=lambda: now[0])
+    _gate_run(gate, now, 12, 0.06, 0.04)
+    before = (gate.rounds[True].per_token(1), gate.rounds[False].per_token(1))
+    for _ in range(4):
+        drafted = gate.should_draft([[0.9, 0.9, 0.9]], [3])
+        now[0] += 5.0  # a slow way on trial
+        gate.end_round(3 if drafted else 1, measured=False)
+    assert (gate.rounds[True].per_token(1), gate.rounds[False].per_token(1)) == before

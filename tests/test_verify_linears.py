@@ -175,11 +175,13 @@ def test_whole_verifies_decide_among_every_way_that_applies():
     the retries take the others in turn."""
     choice = VerifyKernels(KernelTable({2: ("packed", 4)}), retry=8)
     cost = {"packed": 0.04, "few rows": 0.03, "linear": 0.06}
-    ways = []
+    ways, trials = [], []
     for _ in range(24):
         way = choice.pick(2, "packed", ["few rows", "packed"])
         ways.append(way)
+        trials.append(choice.trial)
         choice.record(2, way, cost[way])
+    assert trials == [way != "few rows" or i < 4 for i, way in enumerate(ways)]  # what the round times leave out
     # packed (warm-up), few rows (warm-up), packed, few rows (now measured), the best, linear (measured), the best
     assert ways[:7] == ["packed", "few rows", "packed", "few rows", "few rows", "linear", "few rows"]
     retries = [i for i, way in enumerate(ways) if i > 6 and way != "few rows"]

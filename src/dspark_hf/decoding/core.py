@@ -207,7 +207,8 @@ class SpeculativeDecoder:
         accepted, bonus, processed, path_slots = self._accept(drafts, logits)
         self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
         if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
-            self.policy.gate.end_round(sum(accepted) + len(accepted))
+            trial = self._kernels is not None and self._kernels.trial  # a verify way on trial: not a typical round
+            self.policy.gate.end_round(sum(accepted) + len(accepted), measured=not trial)
         if record is not None:
             record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)

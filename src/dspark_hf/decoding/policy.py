@@ -19,12 +19,13 @@ keeps a few best nodes (the top chain's first positions, mostly).
 import itertools
 import math
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 
 from transformers.utils import logging
 
 from ..models.configuration_dspark import VERIFY_POLICIES
-from .scheduler import SPS, DraftGate, SPSCurve, prefix_schedule, settled_prefix_schedule
+from .scheduler import SPS, DraftGate, GateMemory, SPSCurve, prefix_schedule, settled_prefix_schedule
 
 
 logger = logging.get_logger(__name__)
@@ -91,7 +92,10 @@ class VerifyPolicy:
             gate_drafts = bool(getattr(config, "draft_gate", True))
         if draft_seconds is not None and not gate_drafts:
             raise ValueError("`draft_seconds` prices the draft gate, which is off here; pass gate_drafts=True.")
-        return cls(name, sps=curve, gate=DraftGate(curve, draft_seconds) if gate_drafts else None)
+        if not gate_drafts:
+            return cls(name, sps=curve)
+        memory = gate_memory(drafter, target) if draft_seconds is None else None
+        return cls(name, sps=curve, gate=DraftGate(curve, draft_seconds, memory=memory))
 
     @property
     def stops_early(self) -> bool:
@@ -159,4 +163,17 @@ def covering_sps(sps: SPS, max_tokens: int) -> SPS:
     return lambda b: lookup(b) if b <= largest else table[largest] * largest / b
 
 
-__all__ = ["VerifyPolicy", "covering_sps"]
+# drafter -> (weak reference to its target, the gate's measurements): beside the models, never on them
+_GATE_MEMORY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def gate_memory(drafter, target) -> GateMemory:
+    """The draft gate's measurements for `drafter` on `target`, kept across `generate()` calls while both live (a
+    new target starts afresh)."""
+    held = _GATE_MEMORY.get(drafter)
+    if held is None or held[0]() is not target:
+        held = _GATE_MEMORY[drafter] = (weakref.ref(target), GateMemory())
+    return held[1]
+
+
+__all__ = ["VerifyPolicy", "covering_sps", "gate_memory"]

@@ -210,6 +210,19 @@ class RoundCosts:
         return self.seconds[rows] / tokens if tokens else None
 
 
+class GateMemory:
+    """What a `DraftGate` measures that outlives one `generate()` call: the draft pass's seconds per row count, the
+    drafted and plain round costs (`RoundCosts`) and the last confidences. A decode loop that starts from it does not
+    re-learn the machine (forced plain rounds, a cold first draft pass) on every call; `VerifyPolicy.for_drafter`
+    keeps one per drafter and target."""
+
+    def __init__(self, weight: float = 0.3):
+        self.draft_seconds: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
+        self.draft_passes: dict[int, int] = {}
+        self.rounds = {True: RoundCosts(weight), False: RoundCosts(weight)}  # drafted / plain rounds
+        self.prior: list[float] | None = None
+
+
 class DraftGate:
     """`drafting_pays` between rounds, checked against measured round times: what a decoding loop asks before each
     draft pass.
@@ -244,6 +257,7 @@ class DraftGate:
         plain_probe_interval: int = 32,
         weight: float = 0.3,
         clock: Callable[[], float] = time.perf_counter,
+        memory: GateMemory | None = None,
     ):
         if draft_seconds is not None and not callable(draft_seconds):
             if isinstance(draft_seconds, bool) or not isinstance(draft_seconds, (int, float)) or draft_seconds < 0:
@@ -264,16 +278,24 @@ class DraftGate:
         self.sps, self.draft_seconds = SPSCurve.of(sps), draft_seconds
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.plain_probe_interval, self.clock = plain_probe_interval, clock
-        self.measured: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
-        self.prior: list[float] | None = None
+        self.memory = GateMemory(weight) if memory is None else memory
+        self.measured = self.memory.draft_seconds  # rows -> smoothed seconds of a draft pass
         self.plain_in_a_row = 0
         self.drafted_in_a_row = 0
         self.wait = probe_interval  # plain rounds before the next probe (backs off while probes fail)
         self.probing = False  # the last drafted round was a probe
-        self.rounds = {True: RoundCosts(weight), False: RoundCosts(weight)}  # drafted / plain rounds
+        self.rounds = self.memory.rounds  # drafted / plain rounds
         self.round: tuple | None = None  # (start, drafted, rows, probe, measured) of the open round
         self.confirm = False  # the last round drafted after plain ones, unmeasured: draft this one to measure it
         self.measured_gated = 0  # rounds made plain because drafted rounds measured dearer per token
+
+    @property
+    def prior(self) -> list[float] | None:
+        return self.memory.prior
+
+    @prior.setter
+    def prior(self, value: list[float] | None) -> None:
+        self.memory.prior = value
 
     def should_draft(self, hints: Sequence[Sequence[float] | None], caps: Sequence[int]) -> bool:
         """hints[r]: request r's conditional confidences of its last drafted round (None if it has none);
@@ -327,14 +349,15 @@ class DraftGate:
             return True  # a plain round to measure (or re-measure) what drafting is held against
         return drafted > plain
 
-    def end_round(self, tokens: int) -> None:
-        """After the round that `should_draft` opened: how many tokens it committed over all rows."""
+    def end_round(self, tokens: int, measured: bool = True) -> None:
+        """After the round that `should_draft` opened: how many tokens it committed over all rows; `measured=False`
+        for a round that is not typical of its kind (the verify tried another kernel), left out of the costs."""
         if self.round is None:
             return
-        start, drafted, rows, probe, measured = self.round
+        start, drafted, rows, probe, typical = self.round
         self.round = None
         seconds = self.clock() - start
-        if not measured:
+        if not (typical and measured):
             return
         self.rounds[drafted].add(rows, seconds, tokens)
         plain = self.rounds[False].per_token(rows)
@@ -348,9 +371,12 @@ class DraftGate:
 
     def record(self, seconds: float, confidences: Sequence[Sequence[float]]) -> None:
         """After a drafted round's draft pass: its wall time and every row's conditional confidences (the new
-        hints)."""
-        previous = self.measured.get(len(confidences))
-        self.measured[len(confidences)] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        hints). The first pass at a row count is a warm-up (first kernels, packed weights) and is not priced."""
+        rows = len(confidences)
+        passes = self.memory.draft_passes[rows] = self.memory.draft_passes.get(rows, 0) + 1
+        if passes > 1:
+            previous = self.measured.get(rows)
+            self.measured[rows] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
         columns = itertools.zip_longest(*confidences)
         mean = [statistics.fmean(c for c in column if c is not None) for column in columns]
         self.prior = mean + (self.prior or [])[len(mean) :]
@@ -368,6 +394,7 @@ def conditional_confidences(survival: Sequence[float]) -> list[float]:
 
 __all__ = [
     "DraftGate",
+    "GateMemory",
     "RoundCosts",
     "SPSCurve",
     "conditional_confidences",

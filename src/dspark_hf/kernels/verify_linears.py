@@ -361,6 +361,7 @@ class VerifyKernels:
         self.seen: dict[tuple[int, str], int] = {}
         self.verifies: dict[int, int] = {}
         self.retries: dict[int, int] = {}
+        self.trial = False  # the last verify ran a way on trial (a retry, a way not yet measured): not typical
 
     def ensure(self, model: nn.Module, linears: list[nn.Linear] | None = None) -> KernelTable:
         if self.table is None:
@@ -380,10 +381,12 @@ class VerifyKernels:
         options = [way, *(o for o in others if o != way)]
         if "linear" not in options and way != "linear":
             options.append("linear")
+        self.trial = False
         if len(options) == 1:
             return way
         measured = {o: self.seconds[(rows, o)] for o in options if (rows, o) in self.seconds}
         best = min(measured, key=measured.get) if way in measured else way
+        self.trial = True  # until shown otherwise: a way tried, or the table's before it is measured
         if (n % 2 and n < 2 * len(options)) or n % self.retry == self.retry - 1:  # early, then seldom
             alternatives = [o for o in options if o != best]
             unmeasured = [o for o in alternatives if o not in measured]
@@ -391,6 +394,7 @@ class VerifyKernels:
                 return unmeasured[0]
             self.retries[rows] = self.retries.get(rows, 0) + 1
             return alternatives[self.retries[rows] % len(alternatives)]
+        self.trial = best not in measured
         return best
 
     def record(self, rows: int, way: str, seconds: float) -> None:
@@ -404,6 +408,7 @@ class VerifyKernels:
     @contextlib.contextmanager
     def verify(self, model: nn.Module, rows: int, linears: list[nn.Linear] | None = None):
         """One forward of `rows` rows through the target, its linears the measured way."""
+        self.trial = False
         if FORCE is not None:
             way, pad = FORCE, rows
         elif verify_head.ENABLED:
