@@ -182,7 +182,9 @@ def test_draft_gate_in_generate(target, monkeypatch, draft_seconds):
     (the generator checks the context count every round) and the output is plain greedy's either way."""
     from dspark_hf.decoding import policy
 
-    monkeypatch.setattr(policy, "DraftGate", lambda sps, _seconds=None: DraftGate(sps, draft_seconds=draft_seconds))
+    monkeypatch.setattr(
+        policy, "DraftGate", lambda sps, _seconds=None, **_: DraftGate(sps, draft_seconds=draft_seconds)
+    )
     drafter = make_drafter(target, verify_policy="scheduler")
     drafter.sps_profile = {b: 100.0 for b in range(1, 10)}
     ids = torch.randint(0, 99, (1, 5))
