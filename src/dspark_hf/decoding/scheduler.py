@@ -211,15 +211,14 @@ class RoundCosts:
 
 
 class GateMemory:
-    """What a `DraftGate` measures that outlives one `generate()` call: the draft pass's seconds per row count, the
-    drafted and plain round costs (`RoundCosts`) and the last confidences. A decode loop that starts from it does not
-    re-learn the machine (forced plain rounds, a cold first draft pass) on every call; `VerifyPolicy.for_drafter`
-    keeps one per drafter and target."""
+    """What a `DraftGate` measures that outlives one `generate()` call: the draft pass's seconds per row count and the
+    last confidences, so that a call does not price a cold first draft pass again; `VerifyPolicy.for_drafter` keeps
+    one per drafter and target. Round times are measured per call: carried over, those of a cold first call (first
+    kernels at each width) kept the gate shut through short replies."""
 
-    def __init__(self, weight: float = 0.3):
+    def __init__(self):
         self.draft_seconds: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
         self.draft_passes: dict[int, int] = {}
-        self.rounds = {True: RoundCosts(weight), False: RoundCosts(weight)}  # drafted / plain rounds
         self.prior: list[float] | None = None
 
 
@@ -278,13 +277,14 @@ class DraftGate:
         self.sps, self.draft_seconds = SPSCurve.of(sps), draft_seconds
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.plain_probe_interval, self.clock = plain_probe_interval, clock
-        self.memory = GateMemory(weight) if memory is None else memory
+        self.memory = GateMemory() if memory is None else memory
         self.measured = self.memory.draft_seconds  # rows -> smoothed seconds of a draft pass
         self.plain_in_a_row = 0
         self.drafted_in_a_row = 0
         self.wait = probe_interval  # plain rounds before the next probe (backs off while probes fail)
         self.probing = False  # the last drafted round was a probe
-        self.rounds = self.memory.rounds  # drafted / plain rounds
+        # drafted / plain round costs start afresh each call: a cold first call must not keep later ones plain
+        self.rounds = {True: RoundCosts(weight), False: RoundCosts(weight)}
         self.round: tuple | None = None  # (start, drafted, rows, probe, measured) of the open round
         self.confirm = False  # the last round drafted after plain ones, unmeasured: draft this one to measure it
         self.measured_gated = 0  # rounds made plain because drafted rounds measured dearer per token
