@@ -116,14 +116,23 @@ def verify_kernels(model, linears: list[nn.Linear] | None = None):
         return
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swapped = [m for m in (eligible_linears(model) if linears is None else linears) if type(m) is nn.Linear]
+    with swapped_linears(model, swapped, lambda module: VerifyHead if module is head else VerifyLinear):
+        yield
+
+
+@contextlib.contextmanager
+def swapped_linears(model, modules: list[nn.Linear], cls_of):
+    """Within the block each of `modules` is of class `cls_of(module)` and an "sdpa" `model` attends on its
+    unrepeated cache (`routed`); every class is `nn.Linear` again on exit, also after an exception. The one way a
+    verify scope changes the user's linears (few-row products here, packed copies in `verify_linears`)."""
     # object.__setattr__: nn.Module.__setattr__'s parameter/buffer checks cost milliseconds a verify for 200 linears
-    for module in swapped:
-        object.__setattr__(module, "__class__", VerifyHead if module is head else VerifyLinear)
+    for module in modules:
+        object.__setattr__(module, "__class__", cls_of(module))
     try:
         with routed(model):
             yield
     finally:
-        for module in swapped:
+        for module in modules:
             object.__setattr__(module, "__class__", nn.Linear)
 
 
@@ -216,6 +225,7 @@ __all__ = [
     "eligible_linears",
     "one_token_step",
     "padded_steps",
+    "swapped_linears",
     "step_scopes",
     "verify_kernels",
     "version",

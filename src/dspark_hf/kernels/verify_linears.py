@@ -37,7 +37,7 @@ from . import verify_head
 from .few_rows import version_counter
 from .packed_linear import _check_available
 from .verify_attention import routed
-from .verify_head import eligible_linears, step_scopes, verify_kernels
+from .verify_head import eligible_linears, step_scopes, swapped_linears, verify_kernels
 
 
 logger = logging.get_logger(__name__)
@@ -155,13 +155,11 @@ class TargetPacks:
         modules = [m for g in self.groups for m in g.members if type(m) is nn.Linear]
         for module in modules:
             _ACTIVE[id(module)] = (self, pad_to)
-            object.__setattr__(module, "__class__", PackedVerifyLinear)
         try:
-            with routed(model):
+            with swapped_linears(model, modules, lambda module: PackedVerifyLinear):
                 yield
         finally:
             for module in modules:
-                object.__setattr__(module, "__class__", nn.Linear)
                 _ACTIVE.pop(id(module), None)
             self.clear()
 
