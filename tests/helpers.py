@@ -41,6 +41,7 @@ def pin_drafter(drafter, sequences, diverge_at: int | None = None):
     """
     references = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
     vocab = drafter.config.vocab_size
+    drafter.config.context_lookup = 0  # every chain the pinned drafter's (tests/test_lookup.py tests the lookup's)
     state = _PINNED[drafter] = {"rows": None, "hidden": None}
 
     def keep_hidden(module, args, kwargs, output):

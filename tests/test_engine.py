@@ -60,6 +60,7 @@ def pin_engine_drafter(engine: Engine, references: dict[tuple, list[int]], diver
     `diverge_at=k` (or {prompt: k}) the draft at block slot k is wrong, so at most k drafts survive a round."""
     drafter = engine.drafter
     vocab = drafter.config.vocab_size
+    drafter.config.context_lookup = 0  # every chain the pinned drafter's (tests/test_lookup.py tests the lookup's)
     seen = {"round": None, "slot": 0}  # the engine may ask for a block's base logits in pieces, in order
 
     def base_logits(hidden_states, lm_head, *args):

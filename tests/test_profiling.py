@@ -136,7 +136,7 @@ def test_find_profile_rejects_a_mismatch_with_a_warning(tmp_path, target, change
 
 
 def test_scheduler_with_a_flat_profile_verifies_whole_blocks(target):
-    drafter = make_drafter(target, verify_policy="scheduler", draft_gate=False)  # Algorithm 1 alone
+    drafter = make_drafter(target, verify_policy="scheduler", draft_gate=False, context_lookup=0)  # Algorithm 1 alone
     drafter.sps_profile = {b: 100.0 for b in range(1, 10)}
     ids = torch.randint(0, 99, (1, 5))
     assert torch.equal(greedy(target, ids), greedy(target, ids, assistant_model=drafter))

@@ -36,6 +36,7 @@ from ..kernels.weights import model_device, per_token_activations, per_token_lin
 from ..utils.compat import selects_hidden_states
 from .acceptance import accept_greedy, accept_tree
 from .drafting import candidate_generator_for
+from .lookup import LookupConfidence, SuffixIndex, expected_depth
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, choose_tokens, process_logits
@@ -99,9 +100,11 @@ class SpeculativeDecoder:
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []
+        self.lookup_confidence = LookupConfidence()  # how often lookup drafts are accepted, learned as rounds verify
+        self._looked_up: dict[int, int] = {}  # this round: row index -> match length of its lookup draft
         self.counts = dict.fromkeys(
             ("rounds", "prefills", "request_rounds", "verified_drafts", "accepted_drafts", "compactions",
-             "gated_rounds"),
+             "gated_rounds", "lookup_rounds"),
             0,
         )  # fmt: skip
 
@@ -199,12 +202,15 @@ class SpeculativeDecoder:
         if not self.rows:
             return
         start = _clock(self.device) if RECORDERS else 0.0
+        self._looked_up = {}
         drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
         record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
         logits, features, hidden = self._verify(drafts)
         if record is not None:
             record.verify_seconds = _clock(self.device) - record.start - record.seconds
         accepted, bonus, processed, path_slots = self._accept(drafts, logits)
+        for i, n in self._looked_up.items():
+            self.lookup_confidence.update(n, drafts.lengths[i], accepted[i])
         self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
         if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
             trial = self._kernels is not None and self._kernels.trial  # a verify way on trial: not a typical round
@@ -212,6 +218,12 @@ class SpeculativeDecoder:
         if record is not None:
             record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)
+
+    @property
+    def context_lookup(self) -> int:
+        """The drafter's `config.context_lookup` (the shortest suffix match that may draft; 0: never), read each
+        round."""
+        return getattr(self.candidates, "context_lookup", 0) if self.candidates is not None else 0
 
     @property
     def tree_budget(self) -> int:
@@ -254,6 +266,8 @@ class SpeculativeDecoder:
         caps = self._caps()
         self._check_tree()
         drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
+        if self.context_lookup and not drafts.is_tree:
+            caps = self._look_up(drafts, caps)
         # a chain's caps bound its positions, a tree's its depth: the policy then chooses among its nodes
         limits = drafts.lengths if drafts.is_tree else caps
         drafts.lengths = self.policy.lengths(drafts.conditional, limits)
@@ -262,6 +276,36 @@ class SpeculativeDecoder:
             for row, conditional in zip(self.rows, drafts.conditional):
                 row.hint = conditional
         return drafts
+
+    def _look_up(self, drafts: Drafts, caps: list[int]) -> list[int]:
+        """Each row whose suffix occurred earlier in its sequence may draft what followed it there instead of the
+        drafter's block (`lookup.py`): it does where that chain's expected accepted depth is the larger. Returns the
+        caps with a lookup row's cut to its lookup tokens (the columns after them are the drafter's, never verified).
+        """
+        caps = list(caps)
+        for i, row in enumerate(self.rows):
+            if caps[i] < 1:
+                continue
+            if getattr(row, "suffix_index", None) is None or row.suffix_index.min_n != self.context_lookup:
+                row.suffix_index = SuffixIndex(self.context_lookup)
+            found, n = row.suffix_index.continuation(row.seq, caps[i])
+            if not found:
+                continue
+            conditional = self.lookup_confidence.conditional(n, len(found))
+            if expected_depth(conditional, caps[i]) <= expected_depth(drafts.conditional[i], caps[i]):
+                continue
+            if len(found) > drafts.tokens.shape[1]:  # the drafter stopped sampling early: widen the chains
+                extra = len(found) - drafts.tokens.shape[1]
+                drafts.tokens = torch.nn.functional.pad(drafts.tokens, (0, extra))
+                if drafts.logits is not None:
+                    drafts.logits = torch.nn.functional.pad(drafts.logits, (0, 0, 0, extra))
+            drafts.tokens[i, : len(found)] = torch.tensor(found, device=drafts.tokens.device)
+            drafts.conditional[i] = conditional
+            caps[i] = min(caps[i], len(found))
+            self._looked_up[i] = n
+            row.stats.lookup_rounds += 1
+            self.counts["lookup_rounds"] += 1
+        return caps
 
     def _verify(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """One target forward over [anchor, ℓ_r drafts] per row, padded to W = max ℓ_r + 1 and masked.

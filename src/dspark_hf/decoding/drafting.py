@@ -91,6 +91,11 @@ class DSparkCandidateGenerator(_Generator):
         """`config.tree_budget`, read each round (0: chains)."""
         return getattr(self.config, "tree_budget", 0)
 
+    @property
+    def context_lookup(self) -> int:
+        """`config.context_lookup`, read each round (0: the drafter's chains only; `decoding/lookup.py`)."""
+        return getattr(self.config, "context_lookup", 0)
+
     def propose(self, rows, caps: list[int], policy, early: bool = True):
         """Drafts for every row: `core.Drafts` with tokens (B, K), logits (B, K, V) and conditional confidences;
         with `config.tree_budget` a tree per row (`decoding/trees.py`), caps[r] bounding its depth."""

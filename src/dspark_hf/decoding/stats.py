@@ -12,7 +12,8 @@ class DSparkGenerationStats:
     `verify_lengths[i]` draft tokens (0..γ) and `accepted_lengths[i]` of them were committed, plus one bonus
     token from the target. `stopped[i]` marks a step cut short by EOS or the length limit, whose unaccepted
     drafts say nothing about the drafter and are left out of the per-position rates. `gated_rounds` counts the
-    steps the draft gate made plain (no draft pass; verify length 0).
+    steps the draft gate made plain (no draft pass; verify length 0), `lookup_rounds` those whose chain came from
+    the context lookup rather than the drafter (`decoding/lookup.py`).
 
     With draft trees (`tree_budget`) `verify_lengths[i]` counts the tree nodes verified, `accepted_lengths[i]` the
     accepted depth and `verify_depths[i]` the deepest node verified (for a chain it equals `verify_lengths[i]`); the
@@ -27,6 +28,7 @@ class DSparkGenerationStats:
     stopped: list[bool] = field(default_factory=list)
     survivals: list[list[float]] = field(default_factory=list)
     gated_rounds: int = 0
+    lookup_rounds: int = 0
     verify_depths: list[int] = field(default_factory=list)
 
     def record_step(self, verified: int, accepted: int, stopped: bool = False, survival=None, depth=None) -> None:
@@ -115,6 +117,8 @@ class DSparkGenerationStats:
             "accepted_lengths": list(self.accepted_lengths),
             "stopped": list(self.stopped),
             "survivals": [list(x) for x in self.survivals],
+            "gated_rounds": self.gated_rounds,
+            "lookup_rounds": self.lookup_rounds,
         }
 
     def merge(self, other: "DSparkGenerationStats") -> "DSparkGenerationStats":
@@ -130,6 +134,8 @@ class DSparkGenerationStats:
             merged.accepted_lengths += s.accepted_lengths
             merged.stopped += s.stopped
             merged.survivals += s.survivals
+            merged.gated_rounds += s.gated_rounds
+            merged.lookup_rounds += s.lookup_rounds
         return merged
 
 

@@ -221,6 +221,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
                 "draft_seconds": sum(r.seconds for r in rounds),
                 "acceptance_length": s.acceptance_length,
                 "num_target_forwards": s.num_target_forwards,
+                "lookup_rounds": s.lookup_rounds,
                 "identical": identical,
             }
         )
@@ -243,6 +244,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "mean_verify_length": pooled.mean_verify_length,
         "mean_accepted_depth": pooled.mean_accepted_depth,
         "num_target_forwards": pooled.num_target_forwards,
+        "lookup_rounds": pooled.lookup_rounds,  # rounds whose chain came from the context lookup
         "new_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tps,

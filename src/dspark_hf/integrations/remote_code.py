@@ -44,6 +44,7 @@ MODULES = (
     "decoding.ragged_cache",
     "decoding.rows",
     "decoding.trees",
+    "decoding.lookup",
     "decoding.profiling",
     "decoding.policy",
     "decoding.drafting",

@@ -26,6 +26,7 @@ logger = logging.get_logger(__name__)
 
 SEQUENTIAL_HEADS = ("markov", "gated_markov", "rnn", "none")
 VERIFY_POLICIES = ("threshold", "fixed", "scheduler")
+LONGEST_LOOKUP = 8  # the longest suffix match `context_lookup` tries (decoding/lookup.py)
 # Block positions whose base logits drafting computes first under a policy that can stop early ("threshold",
 # "scheduler": they mostly verify 1-2 drafts); the rest of the block only if sampling gets there.
 EARLY_DRAFT_POSITIONS = 2
@@ -378,6 +379,10 @@ class DSparkConfig(DrafterConfig):
             the draft pass's cost and behaviour stop depending on the prompt's length (the drafter cache keeps only
             that many entries). None: the whole context, as DeepSpec and DFlash train and the engines serve.
             Deviation from DeepSpec: the engines' draft layer has no such window, so export refuses it.
+        context_lookup (`int`): decoding only. When the last `context_lookup` or more tokens of a row occurred
+            earlier in its sequence (prompt included), the tokens that followed them there are a second chain; the
+            round drafts whichever chain is expected to be accepted further (`decoding/lookup.py`: copying from a
+            long document or code the drafter's window cannot see). 1..8; 0: the drafter's chains only. Chains only (a tree ignores it); not exported (the engines run their own n-gram drafting).
     """
 
     model_type = "dspark"
@@ -397,6 +402,7 @@ class DSparkConfig(DrafterConfig):
     draft_layer: str = "llama"
     attention_k_eq_v: bool = False
     context_window: int | None = None
+    context_lookup: int = 3
 
     def __post_init__(self, **kwargs):
         if self.sts_temperatures is None:
@@ -456,6 +462,13 @@ class DSparkConfig(DrafterConfig):
             raise ValueError(
                 f"`context_window` must be a number of context positions >= 1, or None for the whole context; got "
                 f"{self.context_window!r}."
+            )
+        if isinstance(self.context_lookup, bool) or not isinstance(self.context_lookup, int) or not (
+            0 <= self.context_lookup <= LONGEST_LOOKUP
+        ):
+            raise ValueError(
+                f"`context_lookup` must be an int in 0..{LONGEST_LOOKUP} (the shortest suffix match that may draft from the "
+                f"context; 0: never), got {self.context_lookup!r}."
             )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(

@@ -1,0 +1,114 @@
+"""Context lookup (`drafter.config.context_lookup`): the suffix index, the learned confidence, and lossless decoding
+with lookup drafts taking rounds from the drafter."""
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+
+from conftest import make_drafter, make_target
+from dspark_hf import DSparkConfig, Engine
+from dspark_hf.decoding.lookup import LookupConfidence, SuffixIndex, expected_depth
+
+
+# -- the index and the confidence as pure functions ----------------------------------------------------------------
+
+
+def test_the_longest_suffix_match_continues_from_its_latest_earlier_occurrence():
+    index = SuffixIndex(min_n=2)
+    seq = [5, 1, 2, 9, 9, 1, 2, 7, 3, 1, 2]
+    # [1, 2] occurred at 1-2 and 5-6; the latest is followed by 7, 3, 1, 2 (the suffix itself is not a match)
+    assert index.continuation(seq, 3) == ([7, 3, 1], 2)
+    seq += [7]  # suffix [1, 2, 7] matches 5-7 (3 tokens), which beats any 2-token match
+    assert index.continuation(seq, 4) == ([3, 1, 2, 7], 3)
+    seq += [3, 1, 2, 7, 3]  # a loop: the longest match is 8 tokens, its continuation runs into the suffix itself
+    assert index.continuation(seq, 2) == ([1, 2], 8)
+
+
+def test_no_draft_without_an_earlier_occurrence_of_min_n_tokens():
+    index = SuffixIndex(min_n=3)
+    assert index.continuation([1, 2, 3, 4, 1, 2], 4) == ([], 0)  # only a 2-token match
+    assert index.continuation([1, 2, 3, 4, 1, 2, 3], 4) == ([4, 1, 2, 3], 3)
+    assert index.continuation([1, 2, 3], 4) == ([], 0)
+    assert SuffixIndex(min_n=1).continuation([4, 4], 0) == ([], 0)
+
+
+def test_the_index_grows_with_the_sequence_as_a_fresh_one_finds():
+    torch.manual_seed(0)
+    seq = torch.randint(0, 6, (300,)).tolist()
+    grown = SuffixIndex(min_n=2)
+    for end in range(1, len(seq) + 1, 7):
+        assert grown.continuation(seq[:end], 5) == SuffixIndex(min_n=2).continuation(seq[:end], 5)
+
+
+def test_confidence_learns_from_verified_rounds():
+    confidence = LookupConfidence()
+    before = confidence.conditional(3, 3)
+    assert before[1] == before[2] == LookupConfidence.NEXT
+    for _ in range(50):
+        confidence.update(3, verified=3, accepted=0)  # the first draft always rejected: c_1 falls, c_k untouched
+    after = confidence.conditional(3, 3)
+    assert after[0] < 0.1 and after[1] == before[1]
+    assert confidence.conditional(8, 1)[0] == pytest.approx(LookupConfidence.FIRST[8])  # other lengths keep theirs
+    for _ in range(50):
+        confidence.update(4, verified=4, accepted=4)
+    assert confidence.conditional(4, 2)[1] > 0.95
+    assert expected_depth([0.5, 0.5, 0.5], 2) == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("value", [-1, 9, True, 2.0])
+def test_bad_context_lookup_is_refused(target, value):
+    with pytest.raises((ValueError, StrictDataclassFieldValidationError), match="context_lookup"):
+        DSparkConfig.for_target(target.config, num_hidden_layers=1, block_size=4, target_layer_ids=[0],
+                                context_lookup=value)  # fmt: skip
+
+
+# -- decoding ------------------------------------------------------------------------------------------------------
+
+
+def _repetitive_prompts(vocab: int = 99) -> torch.Tensor:
+    """Two rows whose prompts repeat a phrase, so a suffix of the sequence recurs from the first round on."""
+    torch.manual_seed(3)
+    phrases = torch.randint(0, vocab, (2, 6))
+    return torch.cat([phrases, torch.randint(0, vocab, (2, 3)), phrases, phrases[:, :3]], dim=1)
+
+
+def _run(target, drafter, ids, lookup, **kwargs):
+    drafter.config.context_lookup = lookup
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, assistant_model=drafter, **kwargs)
+    return out, drafter.generation_stats
+
+
+@pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler"])
+def test_lookup_drafts_keep_greedy_output_identical_row_by_row(policy):
+    target = make_target(num_layers=2)
+    drafter = make_drafter(target, num_hidden_layers=1, target_layer_ids=[0], verify_policy=policy)  # random: its own drafts are nearly always rejected
+    ids = _repetitive_prompts()
+    for row in range(2):
+        one = ids[row : row + 1]
+        plain = target.generate(one, attention_mask=torch.ones_like(one), max_new_tokens=40, do_sample=False)
+        looked, stats = _run(target, drafter, one, 3, do_sample=False)
+        assert looked.tolist() == plain.tolist()
+        assert stats.lookup_rounds > 0
+        without, control = _run(target, drafter, one, 0, do_sample=False)
+        assert without.tolist() == plain.tolist() and control.lookup_rounds == 0
+        if policy == "fixed":  # every draft verified: the lookup's copies are what lifts τ over the random drafter
+            assert stats.acceptance_length > control.acceptance_length
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    batched, stats = _run(target, drafter, ids, 3, do_sample=False)
+    assert batched.tolist() == plain.tolist() and stats.lookup_rounds > 0
+
+
+def test_lookup_drafts_keep_seeded_sampling_identical():
+    # a random tiny target is nearly uniform: a low temperature lets it fall into the loops lookup drafts copy
+    target = make_target(num_layers=2)
+    drafter = make_drafter(target, num_hidden_layers=1, target_layer_ids=[0])
+    prompts = _repetitive_prompts().tolist()
+    drafter.config.context_lookup = 3
+    engine = Engine(target, drafter, verify_policy="fixed")
+    sampled = [engine.generate([p], max_new_tokens=40, do_sample=True, temperature=0.02, seed=7)[0] for p in prompts]
+    assert engine.stats["lookup_rounds"] > 0
+    plain = [Engine(target).generate([p], max_new_tokens=40, do_sample=True, temperature=0.02, seed=7)[0]
+             for p in prompts]  # fmt: skip
+    assert sampled == plain
+    batch = engine.generate(prompts, max_new_tokens=40, do_sample=True, temperature=0.02, seed=7)
+    assert batch == plain
