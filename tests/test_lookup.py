@@ -112,3 +112,36 @@ def test_lookup_drafts_keep_seeded_sampling_identical():
     assert sampled == plain
     batch = engine.generate(prompts, max_new_tokens=40, do_sample=True, temperature=0.02, seed=7)
     assert batch == plain
+
+
+def test_gated_rounds_still_verify_lookup_drafts(monkeypatch):
+    """A draft pass priced at 1 s shuts the gate; rounds without a draft pass may still verify a recurring suffix's
+    continuation (Algorithm 1 prices it on the SPS profile, with no draft cost), and the output is plain greedy's."""
+    from dspark_hf.decoding import policy
+    from dspark_hf.decoding.drafting import DSparkCandidateGenerator
+    from dspark_hf.decoding.scheduler import DraftGate
+
+    monkeypatch.setattr(policy, "DraftGate", lambda sps, _seconds=None, **_: DraftGate(sps, draft_seconds=1.0))
+    passes = []
+    propose = DSparkCandidateGenerator.propose
+
+    def counted(self, *args, **kwargs):
+        passes.append(1)
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkCandidateGenerator, "propose", counted)
+    target = make_target(num_layers=2)
+    ids = _repetitive_prompts()[:1]
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    for lookup in (3, 0):
+        drafter = make_drafter(target, num_hidden_layers=1, target_layer_ids=[0], verify_policy="scheduler")
+        drafter.sps_profile = {b: 100.0 for b in range(1, 10)}  # width is free: any likely draft is worth verifying
+        passes.clear()
+        out, stats = _run(target, drafter, ids, lookup, do_sample=False)
+        assert out.tolist() == plain.tolist()
+        assert stats.gated_rounds >= 10 and len(passes) <= 2 + stats.num_target_forwards // 8  # first pass + probes
+        verifying = sum(1 for v in stats.verify_lengths if v > 0)
+        if lookup:  # more rounds verified drafts than drafted: the gated ones verified lookup drafts
+            assert stats.lookup_rounds > len(passes) and verifying > len(passes)
+        else:  # negative control: without lookup only the drafted rounds verify drafts
+            assert stats.lookup_rounds == 0 and verifying <= len(passes)

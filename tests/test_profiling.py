@@ -185,7 +185,7 @@ def test_draft_gate_in_generate(target, monkeypatch, draft_seconds):
     monkeypatch.setattr(
         policy, "DraftGate", lambda sps, _seconds=None, **_: DraftGate(sps, draft_seconds=draft_seconds)
     )
-    drafter = make_drafter(target, verify_policy="scheduler")
+    drafter = make_drafter(target, verify_policy="scheduler", context_lookup=0)  # lookup-only rounds: test_lookup
     drafter.sps_profile = {b: 100.0 for b in range(1, 10)}
     ids = torch.randint(0, 99, (1, 5))
     plain = greedy(target, ids, max_new_tokens=40)

@@ -203,7 +203,7 @@ class SpeculativeDecoder:
             return
         start = _clock(self.device) if RECORDERS else 0.0
         self._looked_up = {}
-        drafts = self._draft() if self._drafting_pays() else Drafts.none(len(self.rows), self.device)
+        drafts = self._draft() if self._drafting_pays() else self._lookup_only()
         record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
         logits, features, hidden = self._verify(drafts)
         if record is not None:
@@ -277,12 +277,26 @@ class SpeculativeDecoder:
                 row.hint = conditional
         return drafts
 
+    def _lookup_only(self) -> Drafts:
+        """A round without a draft pass (the gate found one not worth it, or no drafter may draft): still, rows
+        whose suffix recurs may verify its continuation where the policy finds that worth the verify's width (a plain
+        step for every row otherwise)."""
+        drafts = Drafts.none(len(self.rows), self.device)
+        caps = self._caps()
+        if not self.context_lookup or self.tree_budget or max(caps) == 0:
+            return drafts
+        caps = self._look_up(drafts, caps)
+        if self._looked_up:
+            caps = [cap if i in self._looked_up else 0 for i, cap in enumerate(caps)]
+            drafts.lengths = self.policy.lengths(drafts.conditional, caps)
+        return drafts
+
     def _look_up(self, drafts: Drafts, caps: list[int]) -> list[int]:
         """Each row whose suffix occurred earlier in its sequence may draft what followed it there instead of the
         drafter's block (`lookup.py`): it does where that chain's expected accepted depth is the larger. Returns the
         caps with a lookup row's cut to its lookup tokens (the columns after them are the drafter's, never verified).
         """
-        caps = list(caps)
+        caps, drafts.conditional = list(caps), list(drafts.conditional)
         for i, row in enumerate(self.rows):
             if caps[i] < 1:
                 continue
