@@ -7,7 +7,9 @@ candidate generator (`decoding/drafting.py`) and the verify policy (`policy.py`)
 every row:
 
   draft    one drafter pass proposes a block for every row; the confidence head gives each position's calibrated
-           survival as it is sampled (skipped when the draft gate expects a plain step to be faster)
+           survival as it is sampled (skipped when the draft gate expects a plain step to be faster); a row whose
+           suffix occurred earlier in its sequence may take what followed it there instead (`lookup.py`), also in a
+           round without a draft pass
   choose   the policy picks ℓ_r drafts per row (fixed / threshold / Algorithm 1), from survivals only
   verify   one target forward on (B, W = max ℓ_r + 1) tokens, [anchor, drafts] per row, over the ragged cache, with
            the target's CPU linears run this forward's way measured on this machine (`verify_linears.kernel_choice`)
