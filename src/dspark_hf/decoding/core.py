@@ -302,7 +302,7 @@ class SpeculativeDecoder:
         for i, row in enumerate(self.rows):
             if caps[i] < 1:
                 continue
-            if getattr(row, "suffix_index", None) is None or row.suffix_index.min_n != self.context_lookup:
+            if row.suffix_index is None or row.suffix_index.min_n != self.context_lookup:
                 row.suffix_index = SuffixIndex(self.context_lookup)
             found, n = row.suffix_index.continuation(row.seq, caps[i])
             if not found:

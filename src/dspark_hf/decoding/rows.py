@@ -38,6 +38,7 @@ class Row:
         self.finished = False
         self.context: torch.Tensor | None = None  # (n, m·d) target features not yet in the drafter's cache
         self.hint: list[float] | None = None  # conditional confidences of its last drafted round (the gate's guess)
+        self.suffix_index = None  # where its n-grams occurred (`lookup.SuffixIndex`), made at its first lookup
         self.stats = DSparkGenerationStats(block_size=block_size, num_prompt_tokens=len(self.seq))
 
     @property
