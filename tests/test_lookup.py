@@ -74,14 +74,18 @@ def _repetitive_prompts(vocab: int = 99) -> torch.Tensor:
 
 def _run(target, drafter, ids, lookup, **kwargs):
     drafter.config.context_lookup = lookup
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, assistant_model=drafter, **kwargs)
+    out = target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, assistant_model=drafter, **kwargs
+    )
     return out, drafter.generation_stats
 
 
 @pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler"])
 def test_lookup_drafts_keep_greedy_output_identical_row_by_row(policy):
     target = make_target(num_layers=2)
-    drafter = make_drafter(target, num_hidden_layers=1, target_layer_ids=[0], verify_policy=policy)  # random: its own drafts are nearly always rejected
+    drafter = make_drafter(
+        target, num_hidden_layers=1, target_layer_ids=[0], verify_policy=policy
+    )  # random: its own drafts are nearly always rejected
     ids = _repetitive_prompts()
     for row in range(2):
         one = ids[row : row + 1]

@@ -382,7 +382,8 @@ class DSparkConfig(DrafterConfig):
         context_lookup (`int`): decoding only. When the last `context_lookup` or more tokens of a row occurred
             earlier in its sequence (prompt included), the tokens that followed them there are a second chain; the
             round drafts whichever chain is expected to be accepted further (`decoding/lookup.py`: copying from a
-            long document or code the drafter's window cannot see). 1..8; 0: the drafter's chains only. Chains only (a tree ignores it); not exported (the engines run their own n-gram drafting).
+            long document or code the drafter's window cannot see). 1..8; 0: the drafter's chains only. Chains
+            only (a tree ignores it); not exported (the engines run their own n-gram drafting).
     """
 
     model_type = "dspark"
@@ -463,12 +464,14 @@ class DSparkConfig(DrafterConfig):
                 f"`context_window` must be a number of context positions >= 1, or None for the whole context; got "
                 f"{self.context_window!r}."
             )
-        if isinstance(self.context_lookup, bool) or not isinstance(self.context_lookup, int) or not (
-            0 <= self.context_lookup <= LONGEST_LOOKUP
+        if (
+            isinstance(self.context_lookup, bool)
+            or not isinstance(self.context_lookup, int)
+            or not (0 <= self.context_lookup <= LONGEST_LOOKUP)
         ):
             raise ValueError(
-                f"`context_lookup` must be an int in 0..{LONGEST_LOOKUP} (the shortest suffix match that may draft from the "
-                f"context; 0: never), got {self.context_lookup!r}."
+                f"`context_lookup` must be an int in 0..{LONGEST_LOOKUP} (the shortest suffix match that may draft "
+                f"from the context; 0: never), got {self.context_lookup!r}."
             )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
