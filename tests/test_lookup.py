@@ -102,13 +102,14 @@ def test_lookup_drafts_keep_greedy_output_identical_row_by_row(policy):
     assert batched.tolist() == plain.tolist() and stats.lookup_rounds > 0
 
 
-def test_lookup_drafts_keep_seeded_sampling_identical():
+@pytest.mark.parametrize("policy", ["fixed", "threshold"])
+def test_lookup_drafts_keep_seeded_sampling_identical(policy):
     # a random tiny target is nearly uniform: a low temperature lets it fall into the loops lookup drafts copy
     target = make_target(num_layers=2)
     drafter = make_drafter(target, num_hidden_layers=1, target_layer_ids=[0])
     prompts = _repetitive_prompts().tolist()
     drafter.config.context_lookup = 3
-    engine = Engine(target, drafter, verify_policy="fixed")
+    engine = Engine(target, drafter, verify_policy=policy)  # threshold: the drafter may stop sampling early
     sampled = [engine.generate([p], max_new_tokens=40, do_sample=True, temperature=0.02, seed=7)[0] for p in prompts]
     assert engine.stats["lookup_rounds"] > 0
     plain = [Engine(target).generate([p], max_new_tokens=40, do_sample=True, temperature=0.02, seed=7)[0]
@@ -149,3 +150,23 @@ def test_gated_rounds_still_verify_lookup_drafts(monkeypatch):
             assert stats.lookup_rounds > len(passes) and verifying > len(passes)
         else:  # negative control: without lookup only the drafted rounds verify drafts
             assert stats.lookup_rounds == 0 and verifying <= len(passes)
+
+
+def test_a_lookup_chain_longer_than_the_drafters_widens_the_round():
+    """The drafter stopped sampling after one position (a confidence policy on the CPU); the row's suffix recurs with
+    four tokens after it: the round's chains widen to hold them, the caps follow the lookup's length."""
+    from dspark_hf.decoding.core import SpeculativeDecoder
+    from dspark_hf.decoding.rows import Drafts
+    from helpers import _Row
+
+    target = make_target(num_layers=2)
+    decoder = SpeculativeDecoder(target, make_drafter(target, num_hidden_layers=1, target_layer_ids=[0]))
+    decoder.rows = [_Row([7, 8, 9, 1, 2, 3, 4, 5, 7, 8, 9]), _Row([1, 2, 3])]  # row 1: nothing recurs
+    vocab = target.config.vocab_size
+    drafts = Drafts(torch.tensor([[6], [6]]), torch.zeros(2, 1, vocab), [1, 1], [[0.1], [0.1]])
+    caps = decoder._look_up(drafts, [5, 5])
+    assert drafts.tokens.tolist() == [[1, 2, 3, 4, 5], [6, 0, 0, 0, 0]] and drafts.logits.shape == (2, 5, vocab)
+    assert caps == [5, 5] and decoder._looked_up == {0: 3} and drafts.conditional[1] == [0.1]
+    assert drafts.conditional[0] == decoder.lookup_confidence.conditional(3, 5)
+    caps = decoder._look_up(Drafts(torch.tensor([[6], [6]]), None, [1, 1], [[0.1], [0.1]]), [2, 0])
+    assert caps == [2, 0]  # a cap bounds the lookup too; a row without room is left alone
