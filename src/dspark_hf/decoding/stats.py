@@ -13,7 +13,8 @@ class DSparkGenerationStats:
     token from the target. `stopped[i]` marks a step cut short by EOS or the length limit, whose unaccepted
     drafts say nothing about the drafter and are left out of the per-position rates. `gated_rounds` counts the
     steps the draft gate made plain (no draft pass; verify length 0 unless the row verified a lookup draft),
-    `lookup_rounds` those whose chain came from the context lookup rather than the drafter (`decoding/lookup.py`).
+    `lookup_rounds` those that verified a chain from the context lookup rather than the drafter's
+    (`decoding/lookup.py`).
 
     With draft trees (`tree_budget`) `verify_lengths[i]` counts the tree nodes verified, `accepted_lengths[i]` the
     accepted depth and `verify_depths[i]` the deepest node verified (for a chain it equals `verify_lengths[i]`); the
