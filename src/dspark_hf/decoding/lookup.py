@@ -5,8 +5,9 @@ model already wrote (long-context RAG and code prompts; repetition loops of smal
 is bounded (`context_window`) and cannot see a span 5,000 positions back, but an exact match can: if the last n
 tokens of a row occurred earlier in its sequence, the tokens that followed them there are a free draft. A round
 takes, per row, whichever chain is expected to be accepted further, the drafter's block or the lookup's
-continuation (`SpeculativeDecoder._look_up`); verification is unchanged, so the output stays exactly the target's (greedy, and seeded
-sampling through the Gumbel-max coupling: a lookup draft is accepted where it equals the target's own choice).
+continuation (`SpeculativeDecoder._look_up`); verification is unchanged, so the output stays exactly the target's
+(greedy, and seeded sampling through the Gumbel-max coupling: a lookup draft is accepted where it equals the
+target's own choice).
 
 Measured on the long-context benchmark's outputs (SmolLM2, 4 prompts per length, every draft verified), the
 drafter's τ 1.95 / 1.98 / 1.90 at 256 / 2k / 4k tokens rose to 2.93 / 2.25 / 2.50 with lookup at matches of n >= 3
