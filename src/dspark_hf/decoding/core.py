@@ -211,11 +211,7 @@ class SpeculativeDecoder:
         if record is not None:
             record.verify_seconds = _clock(self.device) - record.start - record.seconds
         accepted, bonus, processed, path_slots = self._accept(drafts, logits)
-        for i, n in self._looked_up.items():  # rows whose chain was a lookup draft: what it was worth
-            self.lookup_confidence.update(n, drafts.lengths[i], accepted[i])
-            if drafts.lengths[i]:
-                self.rows[i].stats.lookup_rounds += 1
-                self.counts["lookup_rounds"] += 1
+        self._learn_lookups(drafts, accepted)
         self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
         if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
             trial = self._kernels is not None and self._kernels.trial  # a verify way on trial: not a typical round
@@ -323,6 +319,14 @@ class SpeculativeDecoder:
             caps[i] = min(caps[i], len(found))
             self._looked_up[i] = n
         return caps
+
+    def _learn_lookups(self, drafts: Drafts, accepted: list[int]) -> None:
+        """What this round's lookup drafts were worth: the confidence learns from them, the stats count them."""
+        for i, n in self._looked_up.items():
+            self.lookup_confidence.update(n, drafts.lengths[i], accepted[i])
+            if drafts.lengths[i]:
+                self.rows[i].stats.lookup_rounds += 1
+                self.counts["lookup_rounds"] += 1
 
     def _verify(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """One target forward over [anchor, ℓ_r drafts] per row, padded to W = max ℓ_r + 1 and masked.

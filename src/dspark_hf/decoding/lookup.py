@@ -20,14 +20,14 @@ the first position's acceptance, and a shared rate for each further position, wi
 import itertools
 import operator
 
-from ..models.configuration_dspark import LONGEST_LOOKUP as LONGEST_MATCH  # tried first: the better predictor
+from ..models.configuration_dspark import LONGEST_LOOKUP  # the longest match extended to: the better predictor
 
 
 class SuffixIndex:
     """Where each `min_n`-gram of a sequence ended, updated as tokens arrive, to find the suffix's earlier matches.
 
     `continuation(seq, count)` looks at the latest `CANDIDATES` earlier occurrences of the sequence's last `min_n`
-    tokens, extends each match backwards up to `LONGEST_MATCH` tokens, and returns (the `count` tokens after the
+    tokens, extends each match backwards up to `LONGEST_LOOKUP` tokens, and returns (the `count` tokens after the
     longest of them, the most recent among equals; its length n). One list entry per position (an 8k prompt: ~8k
     ints), indexed once at the row's first lookup (~5 ms of Python at 8k) and then by the tokens each round commits.
     """
@@ -55,11 +55,11 @@ class SuffixIndex:
         best_end, best = None, 0
         for end in reversed(ends[-self.CANDIDATES :]):
             n = self.min_n
-            while n < LONGEST_MATCH and n < end and seq[end - n - 1] == seq[-n - 1]:
+            while n < LONGEST_LOOKUP and n < end and seq[end - n - 1] == seq[-n - 1]:
                 n += 1
             if n > best:
                 best_end, best = end, n
-                if n == LONGEST_MATCH:
+                if n == LONGEST_LOOKUP:
                     break
         return ([], 0) if best_end is None else (seq[best_end : best_end + count], best)
 
@@ -82,14 +82,14 @@ class LookupConfidence:
 
     def conditional(self, n: int, length: int) -> list[float]:
         """c_1 .. c_length for a continuation found with an n-token match."""
-        hits, seen = self.first[min(n, LONGEST_MATCH)]
+        hits, seen = self.first[min(n, LONGEST_LOOKUP)]
         return [hits / seen] + [self.next[0] / self.next[1]] * (length - 1)
 
     def update(self, n: int, verified: int, accepted: int) -> None:
         """A row verified `verified` lookup drafts and accepted the first `accepted` of them."""
         if verified < 1:
             return
-        first = self.first[min(n, LONGEST_MATCH)]
+        first = self.first[min(n, LONGEST_LOOKUP)]
         first[0] += accepted >= 1
         first[1] += 1
         self.next[0] += max(0, accepted - 1)  # positions 2.. accepted

@@ -244,7 +244,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "mean_verify_length": pooled.mean_verify_length,
         "mean_accepted_depth": pooled.mean_accepted_depth,
         "num_target_forwards": pooled.num_target_forwards,
-        "lookup_rounds": pooled.lookup_rounds,  # rounds whose chain came from the context lookup
+        "lookup_rounds": pooled.lookup_rounds,  # rounds that verified a lookup chain (`context_lookup`)
         "new_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tps,
