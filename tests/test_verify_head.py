@@ -231,7 +231,9 @@ def test_slow_kernels_are_dropped_and_output_stays_identical(monkeypatch):
     assert "_dspark" not in str(sorted(vars(target)))
     choice, calls_per_pass = kernel_choice(target), len(eligible_linears(target))
     assert all(
-        choice.seconds[(r, "few rows")] > choice.seconds[(r, "linear")] for r, w in choice.seconds if w != "linear"
+        choice.seconds[(r, "few rows", t)] > choice.seconds[(r, "linear", t)]
+        for r, w, t in choice.seconds
+        if w != "linear"
     )
     calls.clear()
     seen = dict(choice.verifies)

@@ -32,6 +32,8 @@ from contextlib import nullcontext
 
 import torch
 
+from ..kernels import threads
+from ..kernels.threads import RoundThreads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears
@@ -100,6 +102,8 @@ class SpeculativeDecoder:
         self._per_token = per_token_linears(target)
         # the CPU verify kernels, the way measured fastest on this machine per row count (never on an accelerator)
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
+        # the intra-op threads of each round, the count measured fastest under the machine's load (never on an accelerator)
+        self._threads = RoundThreads() if self.device.type == "cpu" and threads.ENABLED else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []
         self.lookup_confidence = LookupConfidence()  # how often lookup drafts are accepted, learned as rounds verify
@@ -205,20 +209,31 @@ class SpeculativeDecoder:
             return
         start = _clock(self.device) if RECORDERS else 0.0
         self._looked_up = {}
-        drafts = self._draft() if self._drafting_pays() else self._lookup_only()
-        record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
-        logits, features, hidden = self._verify(drafts)
-        if record is not None:
-            record.verify_seconds = _clock(self.device) - record.start - record.seconds
-        accepted, bonus, processed, path_slots = self._accept(drafts, logits)
-        self._learn_lookups(drafts, accepted)
-        self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
-        if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
-            trial = self._kernels is not None and self._kernels.trial  # a verify way on trial: not a typical round
-            self.policy.gate.end_round(sum(accepted) + len(accepted), measured=not trial)
+        drafted = self._drafting_pays()
+        kind = (drafted, len(self.rows))
+        threads = self._threads.round(kind, measured=self._kernels_typical) if self._threads else nullcontext()
+        with threads:
+            drafts = self._draft() if drafted else self._lookup_only()
+            record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
+            logits, features, hidden = self._verify(drafts)
+            if record is not None:
+                record.verify_seconds = _clock(self.device) - record.start - record.seconds
+            accepted, bonus, processed, path_slots = self._accept(drafts, logits)
+            self._learn_lookups(drafts, accepted)
+            self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
+            if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
+                self.policy.gate.end_round(sum(accepted) + len(accepted), measured=self._typical())
         if record is not None:
             record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)
+
+    def _kernels_typical(self) -> bool:
+        """Whether the round's verify ran the kernels as usual (no way on trial), so its time may be measured."""
+        return self._kernels is None or not self._kernels.trial
+
+    def _typical(self) -> bool:
+        """... and at the usual thread count: a round the draft gate may measure."""
+        return self._kernels_typical() and (self._threads is None or not self._threads.trial)
 
     @property
     def context_lookup(self) -> int:

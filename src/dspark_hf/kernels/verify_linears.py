@@ -340,8 +340,8 @@ class VerifyKernels:
     The table times the linears alone, on a quiet machine, from two passes: what a whole verify costs each way can
     differ (the packed way's fused products are split and padded rows dropped in the forward, the few-row products
     leave the attention as it is), and another process on the same cores changes which way is fastest (oneDNN's many
-    small calls wait on busy threads longer than transformers' own products). So each verify is timed, per row count
-    and way (exponentially weighted, `weight`; a packed or few-row way's first verify, which may pack the weights,
+    small calls wait on busy threads longer than transformers' own products). So each verify is timed, per row count,
+    way and intra-op thread count (`threads.py` may run a round at fewer; exponentially weighted, `weight`; a packed or few-row way's first verify, which may pack the weights,
     left out); the 2nd, 4th, ... verifies at a row count try each other way that applies until each has been
     measured, every `retry`-th one after that the next of them in turn, and the way with the lowest measured time
     is used.
@@ -355,7 +355,7 @@ class VerifyKernels:
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.table, self.retry, self.weight, self.clock = table, retry, weight, clock
-        self.seconds: dict[tuple[int, str], float] = {}  # (rows, way) -> smoothed seconds of a verify
+        self.seconds: dict[tuple[int, str, int], float] = {}  # (rows, way, threads) -> smoothed seconds of a verify
         self.seen: dict[tuple[int, str], int] = {}
         self.verifies: dict[int, int] = {}
         self.retries: dict[int, int] = {}
@@ -382,7 +382,8 @@ class VerifyKernels:
         self.trial = False
         if len(options) == 1:
             return way
-        measured = {o: self.seconds[(rows, o)] for o in options if (rows, o) in self.seconds}
+        threads = torch.get_num_threads()
+        measured = {o: self.seconds[(rows, o, threads)] for o in options if (rows, o, threads) in self.seconds}
         best = min(measured, key=measured.get) if way in measured else way
         self.trial = True  # until shown otherwise: a way tried, or the table's before it is measured
         if (n % 2 and n < 2 * len(options)) or n % self.retry == self.retry - 1:  # early, then seldom
@@ -400,6 +401,7 @@ class VerifyKernels:
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] == 1 and way != "linear":
             return  # a warm-up (packing the weights, first kernels); transformers' own products have none
+        key = (rows, way, torch.get_num_threads())  # a way's speed at the thread count it ran at (`threads.py`)
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
