@@ -102,7 +102,7 @@ class SpeculativeDecoder:
         self._per_token = per_token_linears(target)
         # the CPU verify kernels, the way measured fastest on this machine per row count (never on an accelerator)
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
-        # the intra-op threads of each round, the count measured fastest under the machine's load (never on an accelerator)
+        # each round's intra-op thread count, the one measured fastest under the machine's load (CPU only)
         self._threads = RoundThreads() if self.device.type == "cpu" and threads.ENABLED else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []

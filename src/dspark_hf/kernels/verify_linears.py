@@ -341,10 +341,10 @@ class VerifyKernels:
     differ (the packed way's fused products are split and padded rows dropped in the forward, the few-row products
     leave the attention as it is), and another process on the same cores changes which way is fastest (oneDNN's many
     small calls wait on busy threads longer than transformers' own products). So each verify is timed, per row count,
-    way and intra-op thread count (`threads.py` may run a round at fewer; exponentially weighted, `weight`; a packed or few-row way's first verify, which may pack the weights,
-    left out); the 2nd, 4th, ... verifies at a row count try each other way that applies until each has been
-    measured, every `retry`-th one after that the next of them in turn, and the way with the lowest measured time
-    is used.
+    way and intra-op thread count (`threads.py` may run a round at fewer), exponentially weighted (`weight`; a packed
+    or few-row way's first verify, which may pack the weights, left out); the 2nd, 4th, ... verifies at a row count
+    try each other way that applies until each has been measured, every `retry`-th one after that the next of them
+    in turn, and the way with the lowest measured time is used.
     """
 
     def __init__(
