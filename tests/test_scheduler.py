@@ -247,8 +247,8 @@ def test_draft_gate_measures_then_predicts_and_probes():
     assert gate.prior == pytest.approx([0.8, 0.5]) and gate.cost(2) == 0.5 and gate.cost(3) is None
     decisions = [gate.should_draft([[0.9, 0.5], None], [4, 4]) for _ in range(4)]
     assert decisions == [False, False, False, True]  # three plain rounds, then a probe
-    gate.record(0.0, [[0.9, 0.5], [0.7]])  # the smoothed cost falls to 0.4 s: still dear
-    assert gate.cost(2) == pytest.approx(0.4) and not gate.should_draft([[0.9, 0.5], None], [4, 4])
+    gate.record(0.0, [[0.9, 0.5], [0.7]])  # a cheaper pass weighs 0.5: the cost falls to 0.25 s, still dear
+    assert gate.cost(2) == pytest.approx(0.25) and not gate.should_draft([[0.9, 0.5], None], [4, 4])
     for bad in ({"draft_seconds": -0.1}, {"probe_interval": 0}, {"max_probe_interval": 2}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DraftGate(sps, **bad)
@@ -378,3 +378,20 @@ def test_a_round_whose_verify_tried_another_kernel_is_not_measured():
         now[0] += 5.0  # a slow way on trial
         gate.end_round(3 if drafted else 1, measured=False)
     assert (gate.rounds[True].per_token(1), gate.rounds[False].per_token(1)) == before
+
+
+def test_draft_pass_cost_falls_fast_when_a_load_leaves_and_rises_slowly():
+    """Another process only ever adds time to a draft pass: after a loaded stretch (50 ms passes) three quiet ones
+    (8 ms) bring the priced cost under 15 ms, where weighting them as the dearer ones (0.2) left it above 20 ms;
+    one dear pass in a quiet stretch moves it by a fifth of the difference only."""
+    gate = DraftGate({b: 10.0 for b in range(1, 10)})
+    for seconds in [0.05] * 8 + [0.008] * 3:
+        gate.record(seconds, [[0.9, 0.8]])
+    assert gate.cost(1) < 0.015
+    slow = 0.05
+    for _ in range(3):
+        slow = 0.8 * slow + 0.2 * 0.008
+    assert slow > 0.02  # the symmetric average of before, the negative control
+    for seconds in [0.008] * 8 + [0.05]:
+        gate.record(seconds, [[0.9, 0.8]])
+    assert 0.015 < gate.cost(1) < 0.02

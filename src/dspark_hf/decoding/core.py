@@ -110,7 +110,7 @@ class SpeculativeDecoder:
         self._looked_up: dict[int, int] = {}  # this round: row index -> match length of its lookup draft
         self.counts = dict.fromkeys(
             ("rounds", "prefills", "request_rounds", "verified_drafts", "accepted_drafts", "compactions",
-             "gated_rounds", "lookup_rounds"),
+             "gated_rounds", "lookup_rounds", "fewer_threads_rounds"),
             0,
         )  # fmt: skip
 
@@ -210,9 +210,13 @@ class SpeculativeDecoder:
         start = _clock(self.device) if RECORDERS else 0.0
         self._looked_up = {}
         drafted = self._drafting_pays()
-        kind = (drafted, len(self.rows))
+        kind, full = (drafted, len(self.rows)), torch.get_num_threads()
         threads = self._threads.round(kind, measured=self._kernels_typical) if self._threads else nullcontext()
-        with threads:
+        with threads as count:
+            if count is not None and count < full and not self._threads.trial:  # chosen, not tried
+                self.counts["fewer_threads_rounds"] += 1
+                for row in self.rows:
+                    row.stats.fewer_threads_rounds += 1
             drafts = self._draft() if drafted else self._lookup_only()
             record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
             logits, features, hidden = self._verify(drafts)

@@ -371,12 +371,16 @@ class DraftGate:
 
     def record(self, seconds: float, confidences: Sequence[Sequence[float]]) -> None:
         """After a drafted round's draft pass: its wall time and every row's conditional confidences (the new
-        hints). The first pass at a row count is a warm-up (first kernels, packed weights) and is not priced."""
+        hints). The first pass at a row count is a warm-up (first kernels, packed weights) and is not priced; later
+        ones are averaged, a pass cheaper than the average weighted 0.5, a dearer one 0.2."""
         rows = len(confidences)
         passes = self.memory.draft_passes[rows] = self.memory.draft_passes.get(rows, 0) + 1
         if passes > 1:
             previous = self.measured.get(rows)
-            self.measured[rows] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+            # another process on the cores only ever adds time: a pass cheaper than the average moves it faster, so a
+            # load that leaves reopens the gate within a few probes
+            weight = 0.2 if previous is None or seconds >= previous else 0.5
+            self.measured[rows] = seconds if previous is None else (1 - weight) * previous + weight * seconds
         columns = itertools.zip_longest(*confidences)
         mean = [statistics.fmean(c for c in column if c is not None) for column in columns]
         self.prior = mean + (self.prior or [])[len(mean) :]

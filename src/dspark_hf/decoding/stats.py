@@ -14,7 +14,8 @@ class DSparkGenerationStats:
     drafts say nothing about the drafter and are left out of the per-position rates. `gated_rounds` counts the
     steps the draft gate made plain (no draft pass; verify length 0 unless the row verified a lookup draft),
     `lookup_rounds` those that verified a chain from the context lookup rather than the drafter's
-    (`decoding/lookup.py`).
+    (`decoding/lookup.py`), `fewer_threads_rounds` those run at fewer intra-op threads than the caller's because
+    that measured faster (tries left out) (a machine another process shares, `kernels/threads.py`).
 
     With draft trees (`tree_budget`) `verify_lengths[i]` counts the tree nodes verified, `accepted_lengths[i]` the
     accepted depth and `verify_depths[i]` the deepest node verified (for a chain it equals `verify_lengths[i]`); the
@@ -30,6 +31,7 @@ class DSparkGenerationStats:
     survivals: list[list[float]] = field(default_factory=list)
     gated_rounds: int = 0
     lookup_rounds: int = 0
+    fewer_threads_rounds: int = 0
     verify_depths: list[int] = field(default_factory=list)
 
     def record_step(self, verified: int, accepted: int, stopped: bool = False, survival=None, depth=None) -> None:
@@ -120,6 +122,7 @@ class DSparkGenerationStats:
             "survivals": [list(x) for x in self.survivals],
             "gated_rounds": self.gated_rounds,
             "lookup_rounds": self.lookup_rounds,
+            "fewer_threads_rounds": self.fewer_threads_rounds,
         }
 
     def merge(self, other: "DSparkGenerationStats") -> "DSparkGenerationStats":
@@ -137,6 +140,7 @@ class DSparkGenerationStats:
             merged.survivals += s.survivals
             merged.gated_rounds += s.gated_rounds
             merged.lookup_rounds += s.lookup_rounds
+            merged.fewer_threads_rounds += s.fewer_threads_rounds
         return merged
 
 

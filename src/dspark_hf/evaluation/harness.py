@@ -222,6 +222,8 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
                 "acceptance_length": s.acceptance_length,
                 "num_target_forwards": s.num_target_forwards,
                 "lookup_rounds": s.lookup_rounds,
+                "gated_rounds": s.gated_rounds,
+                "fewer_threads_rounds": s.fewer_threads_rounds,
                 "identical": identical,
             }
         )
@@ -245,6 +247,8 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "mean_accepted_depth": pooled.mean_accepted_depth,
         "num_target_forwards": pooled.num_target_forwards,
         "lookup_rounds": pooled.lookup_rounds,  # rounds that verified a lookup chain (`context_lookup`)
+        "gated_rounds": pooled.gated_rounds,  # rounds the draft gate made plain
+        "fewer_threads_rounds": pooled.fewer_threads_rounds,  # rounds at fewer threads (`kernels/threads.py`)
         "new_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tps,
