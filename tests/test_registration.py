@@ -134,6 +134,7 @@ def test_loaded_drafter_generates_like_the_original(target, tmp_path):
     assert stats_b is not None
     a, b = stats_a.to_dict(), stats_b.to_dict()
     survivals_a, survivals_b = a.pop("survivals"), b.pop("survivals")
+    a.pop("fewer_threads_rounds"), b.pop("fewer_threads_rounds")  # how fast rounds ran at each thread count
     assert a == b  # identical decisions and acceptances
     for x, y in zip(survivals_a, survivals_b, strict=True):  # float survivals: equal up to kernel rounding
         assert x == pytest.approx(y, abs=1e-5)

@@ -8,7 +8,7 @@ import torch
 
 from conftest import make_drafter, make_target
 from dspark_hf.kernels import threads
-from dspark_hf.kernels.threads import RoundThreads
+from dspark_hf.kernels.threads import RoundThreads, round_threads
 
 
 @pytest.fixture
@@ -115,6 +115,10 @@ def test_generate_follows_a_load_that_slows_two_threads(two_threads, monkeypatch
         assert torch.get_num_threads() == 2
         rounds = counts[1:]  # after the prefill (at the caller's count)
         assert len(rounds) >= 6 and rounds.count(1) >= len(rounds) - 4
+        counts.clear()
+        out = target.generate(ids, do_sample=False, max_new_tokens=30, assistant_model=drafter)
+        assert torch.equal(out, plain) and round_threads(target) is round_threads(target)
+        assert counts[1] == 1 and counts[1:].count(1) >= len(counts) - 3  # the next call goes on at one thread
         counts.clear()
         monkeypatch.setattr(threads, "ENABLED", False)
         out = target.generate(ids, do_sample=False, max_new_tokens=30, assistant_model=drafter)

@@ -28,12 +28,12 @@ docs/architecture.md).
 
 import inspect
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from ..kernels import threads
-from ..kernels.threads import RoundThreads
+from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears
@@ -103,11 +103,12 @@ class SpeculativeDecoder:
         # the CPU verify kernels, the way measured fastest on this machine per row count (never on an accelerator)
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
         # each round's intra-op thread count, the one measured fastest under the machine's load (CPU only)
-        self._threads = RoundThreads() if self.device.type == "cpu" and threads.ENABLED else None
+        self._threads = round_threads(target) if self.device.type == "cpu" and threads.ENABLED else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []
         self.lookup_confidence = LookupConfidence()  # how often lookup drafts are accepted, learned as rounds verify
         self._looked_up: dict[int, int] = {}  # this round: row index -> match length of its lookup draft
+        self._joined = False  # rows joined since the last round
         self.counts = dict.fromkeys(
             ("rounds", "prefills", "request_rounds", "verified_drafts", "accepted_drafts", "compactions",
              "gated_rounds", "lookup_rounds", "fewer_threads_rounds"),
@@ -178,6 +179,7 @@ class SpeculativeDecoder:
             if self.candidates is not None:
                 self.candidates.add_rows(len(keep))
             self.rows += [rows[i] for i in keep]
+            self._joined = True
         return [row for row in rows if row.finished]
 
     def retire(self) -> list[Row]:
@@ -210,13 +212,7 @@ class SpeculativeDecoder:
         start = _clock(self.device) if RECORDERS else 0.0
         self._looked_up = {}
         drafted = self._drafting_pays()
-        kind, full = (drafted, len(self.rows)), torch.get_num_threads()
-        threads = self._threads.round(kind, measured=self._kernels_typical) if self._threads else nullcontext()
-        with threads as count:
-            if count is not None and count < full and not self._threads.trial:  # chosen, not tried
-                self.counts["fewer_threads_rounds"] += 1
-                for row in self.rows:
-                    row.stats.fewer_threads_rounds += 1
+        with self._measured_threads(drafted):
             drafts = self._draft() if drafted else self._lookup_only()
             record = DraftRound(start, _clock(self.device) - start, sum(drafts.lengths)) if RECORDERS else None
             logits, features, hidden = self._verify(drafts)
@@ -231,13 +227,29 @@ class SpeculativeDecoder:
             record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)
 
+    @contextmanager
+    def _measured_threads(self, drafted: bool):
+        """The round at the intra-op thread count measured fastest for its kind (`kernels/threads.py`, CPU only)."""
+        joined, self._joined = self._joined, False  # this round also feeds the drafter new prompts: not typical
+        if self._threads is None:
+            yield
+            return
+        full, kind = torch.get_num_threads(), (drafted, len(self.rows))
+        with self._threads.round(kind, measured=lambda: not joined and self._kernels_typical) as count:
+            if count < full and not self._threads.trial:  # chosen, not tried
+                self.counts["fewer_threads_rounds"] += 1
+                for row in self.rows:
+                    row.stats.fewer_threads_rounds += 1
+            yield
+
+    @property
     def _kernels_typical(self) -> bool:
         """Whether the round's verify ran the kernels as usual (no way on trial), so its time may be measured."""
         return self._kernels is None or not self._kernels.trial
 
     def _typical(self) -> bool:
         """... and at the usual thread count: a round the draft gate may measure."""
-        return self._kernels_typical() and (self._threads is None or not self._threads.trial)
+        return self._kernels_typical and (self._threads is None or not self._threads.trial)
 
     @property
     def context_lookup(self) -> int:

@@ -11,8 +11,9 @@ regions, so the waits add up to more than the work. One thread has no barrier to
 | beside a 2-thread matmul process | 181-244 | 83-91 | 170-256 | 77-90 |
 
 So which count is fastest depends on the load, which changes while a reply is decoded. `RoundThreads` times each
-kind of round (drafted or plain, per row count) at each candidate count, exponentially weighted, and runs a round at
-the count that measured fastest lately; it tries the others early and then every `retry` rounds, a wait that doubles
+kind of round (drafted or plain, per row count) at each candidate count (rounds in a row exponentially weighted), and
+runs a round at the count that measured fastest lately; one `RoundThreads` per target carries this across
+`generate()` calls; it tries the others early and then every `retry` rounds, a wait that doubles
 (up to `max_retry`) while the tries keep losing. A count measured dearer than a stale measurement of another is left
 at once, so a load that arrives is followed within a round or two; one that leaves is found by the next try.
 
@@ -23,6 +24,7 @@ columns of their products between threads, not the sums.
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Hashable
 
 import torch
@@ -49,6 +51,7 @@ class RoundThreads:
         self.wait: dict[Hashable, int] = {}  # kind -> rounds until the next try of another count
         self.since: dict[Hashable, int] = {}  # kind -> rounds since the last try
         self.tries: dict[Hashable, int] = {}  # kind -> tries of measured counts
+        self.last: dict[Hashable, int] = {}  # kind -> the count its last measured round ran at
         self.trial = False  # the last round ran a count on trial: not typical of the round's kind
 
     @staticmethod
@@ -85,8 +88,11 @@ class RoundThreads:
         before = self._best(kind, options)
         key = (kind, threads)
         old = self.seconds.get(key)
-        # a try replaces the count's last measurement, taken before the load may have changed; runs in a row average
-        self.seconds[key] = seconds if old is None or self.trial else (1 - self.weight) * old + self.weight * seconds
+        # rounds in a row at one count average; a count run after another replaces its last measurement, taken
+        # before the load (or the context's length) may have changed
+        in_a_row = old is not None and self.last.get(kind) == threads
+        self.seconds[key] = (1 - self.weight) * old + self.weight * seconds if in_a_row else seconds
+        self.last[kind] = threads
         if self.trial and all((kind, t) in self.seconds for t in options):
             won = self._best(kind, options) != before
             self.wait[kind] = self.retry if won else min(2 * self.wait.get(kind, self.retry), self.max_retry)
@@ -113,4 +119,16 @@ class RoundThreads:
             self.record(kind, threads, self.clock() - start, full)
 
 
-__all__ = ["RoundThreads"]
+_CHOICES: "weakref.WeakKeyDictionary[torch.nn.Module, RoundThreads]" = weakref.WeakKeyDictionary()
+
+
+def round_threads(model: torch.nn.Module) -> RoundThreads:
+    """The `RoundThreads` of a target (kept beside it while it lives, never on it), so that `generate()` calls go on
+    from what earlier ones measured instead of trying every count again."""
+    choice = _CHOICES.get(model)
+    if choice is None:
+        choice = _CHOICES[model] = RoundThreads()
+    return choice
+
+
+__all__ = ["RoundThreads", "round_threads"]
