@@ -12,7 +12,8 @@ regions, so the waits add up to more than the work. One thread has no barrier to
 
 So which count is fastest depends on the load, which changes while a reply is decoded. `RoundThreads` times each
 kind of round (drafted or plain, per row count) at each candidate count (rounds in a row exponentially weighted), and
-runs a round at the count that measured fastest lately; one `RoundThreads` per target carries this across
+runs a round at the count that measured fastest lately, another count than the caller's only where it measured at
+least `margin` (25 %) faster; one `RoundThreads` per target carries this across
 `generate()` calls; it tries the others early and then every `retry` rounds, a wait that doubles
 (up to `max_retry`) while the tries keep losing. A count measured dearer than a stale measurement of another is left
 at once, so a load that arrives is followed within a round or two; one that leaves is found by the next try.
@@ -41,11 +42,14 @@ class RoundThreads:
         retry: int = 16,
         max_retry: int = 64,
         weight: float = 0.3,
+        margin: float = 0.25,
         clock: Callable[[], float] = time.perf_counter,
     ):
         if not 1 <= retry <= max_retry:
             raise ValueError(f"need 1 <= retry <= max_retry, got retry={retry}, max_retry={max_retry}.")
-        self.retry, self.max_retry, self.weight, self.clock = retry, max_retry, weight, clock
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"`margin` must lie in [0, 1), got {margin!r}.")
+        self.retry, self.max_retry, self.weight, self.margin, self.clock = retry, max_retry, weight, margin, clock
         self.seconds: dict[tuple[Hashable, int], float] = {}  # (kind, threads) -> smoothed seconds of a round
         self.rounds: dict[Hashable, int] = {}  # kind -> rounds run
         self.wait: dict[Hashable, int] = {}  # kind -> rounds until the next try of another count
@@ -64,7 +68,7 @@ class RoundThreads:
         measured), or on a try another one (each in turn)."""
         options = self.candidates(full)
         self.rounds[kind] = self.rounds.get(kind, 0) + 1
-        measured = {t: self.seconds[(kind, t)] for t in options if (kind, t) in self.seconds}
+        measured = self._measured(kind, options, full)
         best = min(measured, key=measured.get) if full in measured else full
         self.trial = False
         if len(options) == 1 or full not in measured:  # the caller's count first (its first round a warm-up)
@@ -85,7 +89,7 @@ class RoundThreads:
         if self.rounds.get(kind, 0) <= 1:
             return  # the warm-up round
         options = self.candidates(full)
-        before = self._best(kind, options)
+        before = self._best(kind, options, full)
         key = (kind, threads)
         old = self.seconds.get(key)
         # rounds in a row at one count average; a count run after another replaces its last measurement, taken
@@ -94,11 +98,21 @@ class RoundThreads:
         self.seconds[key] = (1 - self.weight) * old + self.weight * seconds if in_a_row else seconds
         self.last[kind] = threads
         if self.trial and all((kind, t) in self.seconds for t in options):
-            won = self._best(kind, options) != before
+            won = self._best(kind, options, full) != before
             self.wait[kind] = self.retry if won else min(2 * self.wait.get(kind, self.retry), self.max_retry)
 
-    def _best(self, kind: Hashable, options: list[int]) -> int | None:
-        measured = {t: self.seconds[(kind, t)] for t in options if (kind, t) in self.seconds}
+    def _measured(self, kind: Hashable, options: list[int], full: int) -> dict[int, float]:
+        """Measured seconds per count, the caller's count's times `1 - margin`: rounds of one kind still differ in
+        work (verifies of 1 to 8 tokens), so one cheap round at another count must not move a quiet machine off the
+        caller's count, while the waits of a busy one (2-3x) clear the margin."""
+        return {
+            t: self.seconds[(kind, t)] * (1 - self.margin if t == full else 1.0)
+            for t in options
+            if (kind, t) in self.seconds
+        }
+
+    def _best(self, kind: Hashable, options: list[int], full: int) -> int | None:
+        measured = self._measured(kind, options, full)
         return min(measured, key=measured.get) if measured else None
 
     @contextlib.contextmanager
