@@ -53,6 +53,17 @@ def test_quiet_machine_keeps_the_callers_count(two_threads):
     assert all(b - a > 4 for a, b in zip(tries[1:], tries[2:]))  # the wait grows while the tries lose
 
 
+def test_a_count_only_slightly_faster_does_not_move_the_round(two_threads):
+    """One thread 10 % faster (within what rounds of one kind differ by): the caller's count stays; 2x faster moves
+    the round; with no margin the 10 % moves it too (the negative control)."""
+    slightly = lambda t: 0.010 if t == 2 else 0.009  # noqa: E731
+    assert run_rounds(fake_clock_choice(retry=4), 30, slightly)[3:].count(1) <= 3  # only the tries
+    assert run_rounds(fake_clock_choice(retry=4), 30, lambda t: 0.010 if t == 2 else 0.005)[3:].count(1) >= 24
+    assert run_rounds(fake_clock_choice(retry=4, margin=0.0), 30, slightly)[3:].count(1) >= 24
+    with pytest.raises(ValueError, match="margin"):
+        RoundThreads(margin=1.0)
+
+
 def test_a_load_that_arrives_and_leaves_is_followed(two_threads):
     choice = fake_clock_choice(retry=4, max_retry=8)
     loaded = {"on": False}
