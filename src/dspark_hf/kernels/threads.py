@@ -69,10 +69,10 @@ class RoundThreads:
         options = self.candidates(full)
         self.rounds[kind] = self.rounds.get(kind, 0) + 1
         measured = self._measured(kind, options, full)
-        best = min(measured, key=measured.get) if full in measured else full
         self.trial = False
         if len(options) == 1 or full not in measured:  # the caller's count first (its first round a warm-up)
             return full
+        best = min(measured, key=measured.get)
         self.since[kind] = self.since.get(kind, 0) + 1
         unmeasured = [t for t in options if t not in measured]
         if unmeasured or self.since[kind] >= self.wait.get(kind, self.retry):
