@@ -32,7 +32,6 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..kernels import threads
 from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
@@ -103,7 +102,7 @@ class SpeculativeDecoder:
         # the CPU verify kernels, the way measured fastest on this machine per row count (never on an accelerator)
         self._kernels = kernel_choice(target) if self.device.type == "cpu" else None
         # each round's intra-op thread count, the one measured fastest under the machine's load (CPU only)
-        self._threads = round_threads(target) if self.device.type == "cpu" and threads.ENABLED else None
+        self._threads = round_threads(target) if self.device.type == "cpu" else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []
         self.lookup_confidence = LookupConfidence()  # how often lookup drafts are accepted, learned as rounds verify
@@ -235,21 +234,24 @@ class SpeculativeDecoder:
             yield
             return
         full, kind = torch.get_num_threads(), (drafted, len(self.rows))
-        with self._threads.round(kind, measured=lambda: not joined and self._kernels_typical) as count:
+        with self._threads.round(kind, measured=lambda: not joined and self._kernels_typical()) as count:
             if count < full and not self._threads.trial:  # chosen, not tried
-                self.counts["fewer_threads_rounds"] += 1
-                for row in self.rows:
-                    row.stats.fewer_threads_rounds += 1
+                self._count("fewer_threads_rounds", self.rows)
             yield
 
-    @property
     def _kernels_typical(self) -> bool:
         """Whether the round's verify ran the kernels as usual (no way on trial), so its time may be measured."""
         return self._kernels is None or not self._kernels.trial
 
     def _typical(self) -> bool:
         """... and at the usual thread count: a round the draft gate may measure."""
-        return self._kernels_typical and (self._threads is None or not self._threads.trial)
+        return self._kernels_typical() and (self._threads is None or not self._threads.trial)
+
+    def _count(self, name: str, rows: list[Row]) -> None:
+        """One more round of kind `name` (e.g. "gated_rounds") in the decoder's counts and in each row's stats."""
+        self.counts[name] += 1
+        for row in rows:
+            setattr(row.stats, name, getattr(row.stats, name) + 1)
 
     @property
     def context_lookup(self) -> int:
@@ -286,9 +288,7 @@ class SpeculativeDecoder:
         gate = self.policy.gate
         if gate is None or gate.should_draft([row.hint for row in self.rows], caps):
             return True
-        self.counts["gated_rounds"] += 1
-        for row in self.rows:
-            row.stats.gated_rounds += 1
+        self._count("gated_rounds", self.rows)
         return False
 
     def _draft(self) -> Drafts:
@@ -356,8 +356,7 @@ class SpeculativeDecoder:
         for i, n in self._looked_up.items():
             self.lookup_confidence.update(n, drafts.lengths[i], accepted[i])
             if drafts.lengths[i]:
-                self.rows[i].stats.lookup_rounds += 1
-                self.counts["lookup_rounds"] += 1
+                self._count("lookup_rounds", [self.rows[i]])
 
     def _verify(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """One target forward over [anchor, ℓ_r drafts] per row, padded to W = max ℓ_r + 1 and masked.

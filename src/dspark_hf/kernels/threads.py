@@ -51,12 +51,13 @@ class RoundThreads:
             raise ValueError(f"`margin` must lie in [0, 1), got {margin!r}.")
         self.retry, self.max_retry, self.weight, self.margin, self.clock = retry, max_retry, weight, margin, clock
         self.seconds: dict[tuple[Hashable, int], float] = {}  # (kind, threads) -> smoothed seconds of a round
-        self.rounds: dict[Hashable, int] = {}  # kind -> rounds run
+        self.seen: set[Hashable] = set()  # kinds that ran their warm-up round
         self.wait: dict[Hashable, int] = {}  # kind -> rounds until the next try of another count
         self.since: dict[Hashable, int] = {}  # kind -> rounds since the last try
         self.tries: dict[Hashable, int] = {}  # kind -> tries of measured counts
         self.last: dict[Hashable, int] = {}  # kind -> the count its last measured round ran at
         self.trial = False  # the last round ran a count on trial: not typical of the round's kind
+        self.warm_up = False  # the last round was its kind's first (first kernels, packing): not measured
 
     @staticmethod
     def candidates(full: int) -> list[int]:
@@ -67,9 +68,9 @@ class RoundThreads:
         """The count this round of `kind` runs at: the one measured fastest lately (the caller's `full` until
         measured), or on a try another one (each in turn)."""
         options = self.candidates(full)
-        self.rounds[kind] = self.rounds.get(kind, 0) + 1
+        self.warm_up, self.trial = kind not in self.seen, False
+        self.seen.add(kind)
         measured = self._measured(kind, options, full)
-        self.trial = False
         if len(options) == 1 or full not in measured:  # the caller's count first (its first round a warm-up)
             return full
         best = min(measured, key=measured.get)
@@ -86,8 +87,8 @@ class RoundThreads:
 
     def record(self, kind: Hashable, threads: int, seconds: float, full: int) -> None:
         """One round's seconds at `threads`; a try that left the best count as it was doubles the wait."""
-        if self.rounds.get(kind, 0) <= 1:
-            return  # the warm-up round
+        if self.warm_up:
+            return  # the kind's first round
         options = self.candidates(full)
         before = self._best(kind, options, full)
         key = (kind, threads)
@@ -136,9 +137,11 @@ class RoundThreads:
 _CHOICES: "weakref.WeakKeyDictionary[torch.nn.Module, RoundThreads]" = weakref.WeakKeyDictionary()
 
 
-def round_threads(model: torch.nn.Module) -> RoundThreads:
+def round_threads(model: torch.nn.Module) -> RoundThreads | None:
     """The `RoundThreads` of a target (kept beside it while it lives, never on it), so that `generate()` calls go on
-    from what earlier ones measured instead of trying every count again."""
+    from what earlier ones measured instead of trying every count again; None while `ENABLED` is False."""
+    if not ENABLED:
+        return None
     choice = _CHOICES.get(model)
     if choice is None:
         choice = _CHOICES[model] = RoundThreads()

@@ -397,9 +397,8 @@ class VerifyKernels:
         return best
 
     def record(self, rows: int, way: str, seconds: float) -> None:
-        key = (rows, way)
-        self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] == 1 and way != "linear":
+        seen = self.seen[(rows, way)] = self.seen.get((rows, way), 0) + 1
+        if seen == 1 and way != "linear":
             return  # a warm-up (packing the weights, first kernels); transformers' own products have none
         key = (rows, way, torch.get_num_threads())  # a way's speed at the thread count it ran at (`threads.py`)
         old = self.seconds.get(key)
