@@ -60,30 +60,49 @@ def sdpa_target(family="llama", **overrides):
     )
 
 
-def record_sdpa(monkeypatch) -> list[bool]:
-    """Record, for each SDPA product, whether it ran as grouped-query attention with a mask (transformers' sdpa takes
-    GQA on the CPU only without one, as in a prefill)."""
+def record_sdpa(monkeypatch, kv_heads=2, ways=None) -> list[bool]:
+    """Record, for each SDPA product, whether it ran with a mask on the unrepeated cache of `kv_heads` key/value
+    heads (transformers' sdpa repeats it on the CPU whenever there is a mask and more than one query); `ways` gets
+    "packed" or "gqa" for each such product."""
     calls, original = [], torch.nn.functional.scaled_dot_product_attention
 
-    def recorded(*args, **kwargs):
-        calls.append(bool(kwargs.get("enable_gqa")) and kwargs.get("attn_mask") is not None)
-        return original(*args, **kwargs)
+    def recorded(query, key, value, *args, **kwargs):
+        gqa, packed = bool(kwargs.get("enable_gqa")), query.shape[1] == key.shape[1] == kv_heads
+        unrepeated = kwargs.get("attn_mask") is not None and key.shape[1] == kv_heads and (gqa or packed)
+        calls.append(unrepeated)
+        if unrepeated and ways is not None:
+            ways.append("gqa" if gqa else "packed")
+        return original(query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     return calls
 
 
-@pytest.mark.parametrize("q", [2, 5])
+@pytest.mark.parametrize("q, way", [(2, "packed"), (4, "packed"), (5, "gqa")])  # 3 query heads per key/value head
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
-def test_same_values_as_sdpa_with_repeated_keys(monkeypatch, q, mask_dtype):
-    calls = record_sdpa(monkeypatch)
+@pytest.mark.parametrize("mask_batch", [2, 1])  # a mask per sequence, or one broadcast over the batch
+def test_same_values_as_sdpa_with_repeated_keys(monkeypatch, q, way, mask_dtype, mask_batch):
+    ways = []
+    calls = record_sdpa(monkeypatch, ways=ways)
     module = Attention(groups=3)
     query, key, value = qkv(q=q)
-    mask = causal_mask(2, q, 11, mask_dtype)
+    mask = causal_mask(2, q, 11, mask_dtype)[:mask_batch]
     ours, _ = verify_sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     reference, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-    assert calls == [True, False]  # ours on the unrepeated cache, transformers' through repeat_kv
+    assert calls == [True, False] and ways == [way]  # ours on the unrepeated cache, transformers' through repeat_kv
     assert ours.shape == reference.shape == (2, q, 6, 8) and ours.is_contiguous()
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+
+
+def test_a_mask_per_head_is_not_packed(monkeypatch):
+    ways = []
+    record_sdpa(monkeypatch, ways=ways)
+    query, key, value = qkv(q=2)
+    mask = causal_mask(2, 2, 11).repeat(1, 6, 1, 1)  # (batch, heads, q, length): rows of a packing would not match
+    mask[:, 1, :, 3] = False  # one head sees less
+    ours, _ = verify_sdpa_attention_forward(Attention(groups=3), query, key, value, mask, scaling=0.3)
+    reference, _ = sdpa_attention.sdpa_attention_forward(Attention(groups=3), query, key, value, mask, scaling=0.3)
+    assert ways == ["gqa"]
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
 
 
@@ -173,15 +192,20 @@ def test_verify_logits_unchanged(monkeypatch, family):
     "family, dtype",
     [("llama", torch.float32), ("qwen3", torch.float32), ("mistral", torch.float32), ("gemma3", torch.bfloat16)],
 )
-def test_generate_identical_with_gqa_verifies(monkeypatch, family, dtype):
+@pytest.mark.parametrize("packed_rows", [12, 0])  # a verify of 5 queries packs 2 query heads per key/value head
+def test_generate_identical_with_gqa_verifies(monkeypatch, family, dtype, packed_rows):
+    monkeypatch.setattr(verify_attention, "PACKED_ROWS", packed_rows)
     target = sdpa_target(family).to(dtype)
     drafter = make_drafter(target, verify_policy="fixed").to(dtype)
     ids = torch.randint(0, 99, (1, 9))  # longer than the sliding windows
     plain = target.generate(ids, do_sample=False, max_new_tokens=25)
-    calls = record_sdpa(monkeypatch)
+    ways = []
+    calls = record_sdpa(monkeypatch, ways=ways)
     out = target.generate(ids, do_sample=False, max_new_tokens=25, assistant_model=drafter)
     assert torch.equal(out, plain)
     assert calls.count(True) >= 4 * 2  # every layer of at least two verify passes
+    # (a sliding window gives single-query steps a mask too, which transformers' sdpa packs itself)
+    assert ("gqa" not in ways and "packed" in ways) if packed_rows else ("gqa" in ways)
     assert target.config._attn_implementation == "sdpa"
 
 

@@ -7,7 +7,10 @@ packing of the heads for a single query position (plain decoding). A verify pass
 its whole key and value cache `num_key_value_groups` times (`repeat_kv`) before the product. On the CPU,
 `scaled_dot_product_attention(..., enable_gqa=True)` takes the mask and the unrepeated cache, and gives the same
 values (bit-identical logits on SmolLM2-135M, 9 query heads and 3 key/value heads, at 2–8 rows) without the copies
-(a verify forward 7–11 % cheaper there; docs/history.md, "Attention without repeated keys").
+(a verify forward 7–11 % cheaper there; docs/history.md, "Attention without repeated keys"). SDPA's GQA still reads
+each key/value head once per query head, which over a long cache is most of a verify's attention; for a few queries
+the query heads of each key/value head are packed into the rows of one product instead (`PACKED_ROWS`), as
+transformers does for a single query.
 
 `ATTN_IMPLEMENTATION` is registered with transformers' `AttentionInterface` (the function below) and
 `AttentionMaskInterface` (sdpa's mask). `with routed(model):` points a target whose `config._attn_implementation`
@@ -26,6 +29,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ENABLED = True
 ATTN_IMPLEMENTATION = "dspark_verify_sdpa"
+# a verify's query heads are packed per key/value head up to this many rows of one product (queries x heads per key/
+# value head), SDPA's GQA beyond: on 2 threads of an AMD EPYC, packing made the attention of 2-4 queries over an 8k
+# cache 1.1-1.5x faster, and 5-8 queries 0.9-1.0x (docs/history.md, "Packed query heads")
+PACKED_ROWS = 12
 
 
 def verify_sdpa_attention_forward(
@@ -39,7 +46,8 @@ def verify_sdpa_attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """`sdpa_attention_forward`, with SDPA's grouped-query attention for several queries over a masked CPU cache.
+    """`sdpa_attention_forward`, for several queries over a masked CPU cache without repeating it: the query heads
+    packed per key/value head (up to `PACKED_ROWS` rows), or SDPA's grouped-query attention.
 
     query (B, H, q, d), key and value (B, H_kv, L, d), attention_mask (B or 1, 1, q, L) -> ((B, q, H, d), None).
     """
@@ -57,10 +65,20 @@ def verify_sdpa_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    # Deviation from sdpa_attention_forward: enable_gqa, not repeat_kv (with a mask, is_causal is False there too)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
-    )
+    batch, heads, q, dim = query.shape
+    # Deviations from sdpa_attention_forward: no repeat_kv (with a mask, is_causal is False there too), and ...
+    if q * n_rep <= PACKED_ROWS and attention_mask.shape[1] == 1:
+        # ... a few queries: each key/value head's query heads as the rows of one product (pack_gqa's packing of a
+        # single query, for q of them), so that every key and value is read once: rows r * q + i see mask row i
+        packed = query.reshape(batch, heads // n_rep, n_rep * q, dim)
+        mask = attention_mask.repeat(1, 1, n_rep, 1)  # (B or 1, 1, n_rep * q, L), a small copy
+        output = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+        output = output.reshape(batch, heads, q, dim)
+    else:
+        # ... more: SDPA's grouped-query attention, which reads each key/value head once per query head
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+        )
     return output.transpose(1, 2).contiguous(), None
 
 
