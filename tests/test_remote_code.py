@@ -5,8 +5,10 @@ with imports transformers can follow. Loading both folders without the package i
 import ast
 import json
 import re
+from pathlib import Path
 
 import pytest
+from transformers.dynamic_module_utils import get_relative_import_files
 
 from conftest import make_target
 from dspark_hf import Eagle3Config, Eagle3DraftModel
@@ -29,6 +31,17 @@ def test_flat_folder_imports_only_its_own_files(tmp_path):
                 assert node.level == 1, (path.name, node.lineno)
                 imported = [node.module] if node.module else [alias.name for alias in node.names]
                 assert set(imported) <= names, (path.name, node.lineno, imported)
+
+
+def test_transformers_fetches_every_file_from_the_roots(tmp_path):
+    """transformers copies a remote-code module's files by following `from .name import` lines only (`from . import
+    name` is invisible to it), so every written file must be reachable from the roots that way."""
+    written = {path.name for path in remote_code.write_flat(tmp_path)}
+    fetched = set()
+    for root in remote_code.ROOTS:
+        root_file = tmp_path / f"{root.rsplit('.', 1)[-1]}.py"
+        fetched |= {root_file.name, *(Path(f).name for f in get_relative_import_files(root_file))}
+    assert fetched == written
 
 
 def test_an_import_outside_the_list_is_refused(monkeypatch):

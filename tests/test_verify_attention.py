@@ -24,6 +24,15 @@ from dspark_hf.kernels.verify_linears import KernelTable, VerifyKernels
 from dspark_hf.serving.engine import Engine
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Whether the attention packs depends on the intra-op thread count: these tests run at 2, as CI does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 class Attention(torch.nn.Module):
     def __init__(self, groups):
         super().__init__()
@@ -92,6 +101,23 @@ def test_same_values_as_sdpa_with_repeated_keys(monkeypatch, q, way, mask_dtype,
     assert calls == [True, False] and ways == [way]  # ours on the unrepeated cache, transformers' through repeat_kv
     assert ours.shape == reference.shape == (2, q, 6, 8) and ours.is_contiguous()
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+
+
+def test_not_packed_where_threads_would_idle(monkeypatch):
+    ways = []
+    record_sdpa(monkeypatch, ways=ways)
+    query, key, value = qkv(batch=1, q=2)  # 2 key/value heads: 2 packed products
+    mask = causal_mask(1, 2, 11)
+    for threads in (2, 3):
+        torch.set_num_threads(threads)
+        ours, _ = verify_sdpa_attention_forward(Attention(groups=3), query, key, value, mask)
+        torch.testing.assert_close(
+            ours,
+            sdpa_attention.sdpa_attention_forward(Attention(groups=3), query, key, value, mask)[0],
+            rtol=0,
+            atol=1e-6,
+        )
+    assert ways == ["packed", "gqa"]
 
 
 def test_a_mask_per_head_is_not_packed(monkeypatch):

@@ -12,11 +12,11 @@ learned mask vector is not any token's embedding; QK-norm changes every attentio
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from ..models.configuration_dspark import DSparkConfig
+from ..utils.files import new_folder_beside
 
 
 def export_blockers(config: DSparkConfig) -> list[tuple[str, str]]:
@@ -81,8 +81,7 @@ def write_folder(out_dir: str | os.PathLike, overwrite: bool, write: Callable[[P
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it.")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    tmp = new_folder_beside(out_dir)
     try:
         write(tmp)
         if out_dir.exists():

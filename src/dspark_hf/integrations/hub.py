@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..utils.files import atomic_write_json, atomic_write_text
+from ..utils.files import atomic_write_json, atomic_write_text, new_folder_beside
 from .remote_code import write_flat
 
 
@@ -222,7 +222,7 @@ def save_for_hub(
     if training is None and (path := _beside_checkpoint(drafter, "trainer_state.json")) is not None:
         training = json.loads(path.read_text(encoding="utf-8"))  # step, held-out τ, the training settings
     out_dir = Path(out_dir)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent if out_dir.parent.exists() else None, prefix=".hub-"))
+    tmp = new_folder_beside(out_dir, "hub")
     try:
         drafter.save_pretrained(tmp)
         if not with_code:

@@ -31,7 +31,8 @@ ENABLED = True
 ATTN_IMPLEMENTATION = "dspark_verify_sdpa"
 # a verify's query heads are packed per key/value head up to this many rows of one product (queries x heads per key/
 # value head), SDPA's GQA beyond: on 2 threads of an AMD EPYC, packing made the attention of 2-4 queries over an 8k
-# cache 1.1-1.5x faster, and 5-8 queries 0.9-1.0x (docs/history.md, "Packed query heads")
+# cache 1.1-1.5x faster, and 5-8 queries 0.9-1.0x (docs/history.md, "Packed query heads"). Where fewer products
+# (sequences x key/value heads) than threads would run, it is not packed.
 PACKED_ROWS = 12
 
 
@@ -67,9 +68,11 @@ def verify_sdpa_attention_forward(
         )
     batch, heads, q, dim = query.shape
     # Deviations from sdpa_attention_forward: no repeat_kv (with a mask, is_causal is False there too), and ...
-    if q * n_rep <= PACKED_ROWS and attention_mask.shape[1] == 1:
+    packed_products = batch * key.shape[1]  # SDPA runs one product per sequence and head, each on one thread
+    if q * n_rep <= PACKED_ROWS and attention_mask.shape[1] == 1 and packed_products >= torch.get_num_threads():
         # ... a few queries: each key/value head's query heads as the rows of one product (pack_gqa's packing of a
-        # single query, for q of them), so that every key and value is read once: rows r * q + i see mask row i
+        # single query, for q of them), so that every key and value is read once: rows r * q + i see mask row i.
+        # Only where those products keep every thread busy (measured with 3 products on 2 threads)
         packed = query.reshape(batch, heads // n_rep, n_rep * q, dim)
         mask = attention_mask.repeat(1, 1, n_rep, 1)  # (B or 1, 1, n_rep * q, L), a small copy
         output = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)

@@ -4,16 +4,20 @@ gzipped)."""
 import gzip
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
 def atomic_write_text(text: str, path: str | os.PathLike) -> None:
-    """Write `text` to `path` via a temporary file in the same folder and an atomic rename."""
+    """Write `text` to `path` via a temporary file in the same folder and an atomic rename. The file gets the
+    permissions `open()` would give it (those of the file it replaces, if any), not `tempfile`'s owner-only 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -23,6 +27,20 @@ def atomic_write_text(text: str, path: str | os.PathLike) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def new_folder_beside(path: str | os.PathLike, tag: str = "tmp") -> Path:
+    """A new empty folder next to `path` (hidden, a random name), to be filled and renamed to `path`: it has the
+    permissions `mkdir` gives (`tempfile.mkdtemp`'s are owner-only 0700, which would stay on the renamed folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        folder = path.with_name(f".{path.name}.{tag}-{secrets.token_hex(6)}")
+        try:
+            folder.mkdir(mode=0o777)  # the umask applies
+            return folder
+        except FileExistsError:
+            continue
 
 
 def atomic_write_json(obj, path: str | os.PathLike) -> None:
