@@ -101,8 +101,15 @@ def test_decoding_phase_and_table():
     rows = context_rows(result)
     assert [r["dataset"] for r in rows] == ["ctx-300", "ctx-600"] and rows[0]["prompt_tokens"] <= 300
     assert rows[1]["verify_vs_plain"] == pytest.approx(rows[1]["verify_ms"] / rows[1]["plain_step_ms"])
+    runs = {run["dataset"]: run for run in result["runs"]}
+    for row in rows:
+        run = runs[row["dataset"]]
+        reached, accepted = run["position_reached"][0], sum(run["position_accepted"])
+        assert reached and row["tau_drafted"] == pytest.approx(1 + accepted / reached)
+        assert row["tau_drafted"] >= row["tau"]  # rounds without drafts count one token each in τ
     table = format_long_context(result).splitlines()
     assert table[0].split()[:3] == ["length", "drafter", "tokens"] and table[2].split()[:2] == ["600", "d"]
+    assert "τ drafted" in table[0]
     assistant = make_target(num_layers=1, seed=3)  # transformers' own assistant: no verify timings, no split
     other = run_evaluation(target, tok, {"a": assistant}, {"x": sets["ctx-300"]}, 4, progress=False)
     assert "decode_speedup" not in other["runs"][0] and other["runs"][0]["round_ms"] is None

@@ -139,15 +139,16 @@ def long_context_sets(tokenizer, lengths, num_prompts: int = 2, max_prompt_token
 
 
 def format_long_context(result: dict) -> str:
-    """The per-length table of `dspark-hf bench --long-context`: τ, acceptance at position 1, speed against plain
-    (whole generate() and the decoding phase without the prefill), and a round's ms split into draft, verify and
-    bookkeeping beside one plain step."""
+    """The per-length table of `dspark-hf bench --long-context`: τ (of all rounds and of the rounds that drafted),
+    acceptance at position 1, speed against plain (whole generate() and the decoding phase without the prefill), and
+    a round's ms split into draft, verify and bookkeeping beside one plain step."""
 
     def fmt(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    header = ("length", "drafter", "tokens", "identical", "τ", "acc@1", "plain tok/s", "speedup", "decode",
-              "draft ms", "verify ms", "other ms", "round ms", "drafted", "plain step ms", "verify/plain")  # fmt: skip
+    header = ("length", "drafter", "tokens", "identical", "τ", "τ drafted", "acc@1", "plain tok/s", "speedup",
+              "decode", "draft ms", "verify ms", "other ms", "round ms", "drafted", "plain step ms",
+              "verify/plain")  # fmt: skip
     lines = [header]
     for r in context_rows(result):
         lines.append(
@@ -157,6 +158,7 @@ def format_long_context(result: dict) -> str:
                 f"{r['prompt_tokens']:.0f}",
                 str(r["identical"]),
                 fmt(r["tau"]),
+                fmt(r["tau_drafted"]),
                 fmt(r["acceptance_1"]),
                 fmt(r["plain_tps"], ".1f"),
                 fmt(r["speedup"]) + "x",

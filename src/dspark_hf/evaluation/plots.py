@@ -99,6 +99,7 @@ def context_rows(result: dict) -> list[dict]:
             continue
         round_ms = run.get("round_ms") or {}
         plain_step = run.get("plain_step_ms")
+        drafted = (run.get("position_reached") or [0])[0]  # rounds with at least one draft
         rows.append(
             {
                 "dataset": run["dataset"],
@@ -106,6 +107,9 @@ def context_rows(result: dict) -> list[dict]:
                 "prompt_tokens": sum(p["prompt_tokens"] for p in run["per_prompt"]) / len(run["per_prompt"]),
                 "identical": run["all_identical"],
                 "tau": run["acceptance_length"],
+                # tokens per round over the rounds that drafted: the drafts' acceptance without the gate's choice
+                # of plain rounds (which a long context's dearer verify makes more often)
+                "tau_drafted": 1 + sum(run["position_accepted"]) / drafted if drafted else None,
                 "acceptance_1": run["per_position_acceptance"][0],
                 "plain_tps": run["tokens_per_second_plain"],
                 "speedup": run["speedup"],
@@ -133,6 +137,10 @@ def plot_long_context(result: dict, path) -> Path:
         xs = [r["prompt_tokens"] for r in mine]
         colour = f"C{i}"
         axes[0].plot(xs, [r["tau"] for r in mine], "-o", ms=3, color=colour, label=f"{label} τ")
+        if all(r["tau_drafted"] is not None for r in mine):
+            axes[0].plot(
+                xs, [r["tau_drafted"] for r in mine], "--o", ms=3, color=colour, label=f"{label} τ, drafted rounds"
+            )
         axes[0].plot(xs, [r["acceptance_1"] for r in mine], ":o", ms=3, color=colour, label=f"{label} acc@1")
         axes[1].plot(xs, [r["speedup"] for r in mine], "-o", ms=3, color=colour, label=f"{label} generate()")
         if all(r["decode_speedup"] is not None for r in mine):
