@@ -15,8 +15,8 @@ transformers does for a single query.
 `ATTN_IMPLEMENTATION` is registered with transformers' `AttentionInterface` (the function below) and
 `AttentionMaskInterface` (sdpa's mask). `with routed(model):` points a target whose `config._attn_implementation`
 is "sdpa" at it for one verify pass and restores "sdpa" on exit (`verify_head.verify_kernels` does this). Outside a
-verify pass the model is untouched; within one, everything but many-query GQA with a mask on the
-CPU still goes to transformers' own `sdpa_attention_forward`. Set `ENABLED = False` to turn it off.
+verify pass the model is untouched; within one, everything but GQA on the CPU with a mask or a single query still
+goes to transformers' own `sdpa_attention_forward`. Set `ENABLED = False` to turn it off.
 """
 
 import contextlib
@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ENABLED = True
 ATTN_IMPLEMENTATION = "dspark_verify_sdpa"
-# a verify's query heads are packed per key/value head up to this many rows of one product (queries x heads per key/
+# a round's query heads are packed per key/value head up to this many rows of one product (queries x heads per key/
 # value head), SDPA's GQA beyond: on 2 threads of an AMD EPYC, packing made the attention of 2-4 queries over an 8k
 # cache 1.1-1.5x faster, and 5-8 queries 0.9-1.0x (docs/history.md, "Packed query heads"). Where fewer products
 # (sequences x key/value heads) than threads would run, it is not packed.

@@ -16,9 +16,9 @@ def atomic_write_text(text: str, path: str | os.PathLike) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # closes the descriptor however the write ends
+            if path.exists():
+                os.fchmod(f.fileno(), path.stat().st_mode & 0o7777)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
