@@ -69,15 +69,18 @@ def sdpa_target(family="llama", **overrides):
     )
 
 
-def record_sdpa(monkeypatch, kv_heads=2, ways=None) -> list[bool]:
-    """Record, for each SDPA product, whether it ran with a mask on the unrepeated cache of `kv_heads` key/value
+KV_HEADS = 2  # `qkv`'s default and `make_target`'s key/value heads
+
+
+def record_sdpa(monkeypatch, ways=None) -> list[bool]:
+    """Record, for each SDPA product, whether it ran with a mask on the unrepeated cache of `KV_HEADS` key/value
     heads (transformers' sdpa repeats it on the CPU whenever there is a mask and more than one query); `ways` gets
     "packed" or "gqa" for each such product."""
     calls, original = [], torch.nn.functional.scaled_dot_product_attention
 
     def recorded(query, key, value, *args, **kwargs):
-        gqa, packed = bool(kwargs.get("enable_gqa")), query.shape[1] == key.shape[1] == kv_heads
-        unrepeated = kwargs.get("attn_mask") is not None and key.shape[1] == kv_heads and (gqa or packed)
+        gqa, packed = bool(kwargs.get("enable_gqa")), query.shape[1] == key.shape[1] == KV_HEADS
+        unrepeated = kwargs.get("attn_mask") is not None and key.shape[1] == KV_HEADS and (gqa or packed)
         calls.append(unrepeated)
         if unrepeated and ways is not None:
             ways.append("gqa" if gqa else "packed")

@@ -13,10 +13,10 @@ regions, so the waits add up to more than the work. One thread has no barrier to
 So which count is fastest depends on the load, which changes while a reply is decoded. `RoundThreads` times each
 kind of round (drafted or plain, per row count) at each candidate count (rounds in a row exponentially weighted), and
 runs a round at the count that measured fastest lately, another count than the caller's only where it measured at
-least `margin` (25 %) faster; one `RoundThreads` per target carries this across
-`generate()` calls; it tries the others early and then every `retry` rounds, a wait that doubles
-(up to `max_retry`) while the tries keep losing. A count measured dearer than a stale measurement of another is left
-at once, so a load that arrives is followed within a round or two; one that leaves is found by the next try.
+least `margin` (25 %) faster. It tries the others early and then every `retry` rounds, a wait that doubles (up to
+`max_retry`) while the tries keep losing. A count measured dearer than a stale measurement of another is left at
+once, so a load that arrives is followed within a round or two; one that leaves is found by the next try. One
+`RoundThreads` per target (`round_threads`) carries this across `generate()` calls.
 
 The thread count is the process's (`torch.set_num_threads`): a round that runs at another count sets it and puts the
 caller's back when it ends, exception or not. The count never changes a token: the kernels split the rows and
