@@ -32,6 +32,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from ..kernels.lean_forward import run_target
 from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
@@ -388,8 +389,8 @@ class SpeculativeDecoder:
             self._kernels.verify(self.target, ids.numel(), self._linears) if self._kernels else nullcontext(),
             per_token_activations(self.target, self._per_token),
         ):
-            out = self.target(
-                input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+            out = run_target(
+                self.target, input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                 output_hidden_states=hidden, **{self.cache_arg: self.target_cache.cache},
             )  # fmt: skip
         self.counts["rounds"] += 1

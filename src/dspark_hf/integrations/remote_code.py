@@ -30,6 +30,7 @@ MODULES = (
     "kernels.verify_attention",
     "kernels.verify_head",
     "kernels.verify_linears",
+    "kernels.lean_forward",
     "kernels.threads",
     "models.configuration_dspark",
     "models.configuration_eagle3",

@@ -20,6 +20,7 @@ goes to transformers' own `sdpa_attention_forward`. Set `ENABLED = False` to tur
 """
 
 import contextlib
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -82,12 +83,27 @@ def verify_sdpa_attention_forward(
         # key/value head once per query head (2.3x the time over an 8k cache). Only where the packed products keep
         # every thread busy (measured with 3 products on 2 threads)
         packed = query.reshape(batch, heads // n_rep, n_rep * q, dim)
-        mask = attention_mask.repeat(1, 1, n_rep, 1) if masked and q > 1 else attention_mask  # (B or 1, 1, n_rep q, L)
+        mask = _repeated(attention_mask, n_rep) if masked and q > 1 else attention_mask  # (B or 1, 1, n_rep q, L)
         output = sdpa(packed, key, value, attn_mask=mask, scale=scaling).reshape(batch, heads, q, dim)
     else:
         # ... more: SDPA's grouped-query attention
         output = sdpa(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
+
+
+_last_mask: tuple | None = None  # (weak reference to a mask, its version, n_rep, its repeat): the last one made
+
+
+def _repeated(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`mask.repeat(1, 1, n_rep, 1)`, made once per forward: every layer of a pass gets the same mask tensor, so the
+    last repeat is kept (beside a weak reference to its source) until another mask comes."""
+    global _last_mask
+    last = _last_mask
+    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == n_rep:
+        return last[3]
+    repeated = mask.repeat(1, 1, n_rep, 1)
+    _last_mask = (weakref.ref(mask), mask._version, n_rep, repeated)
+    return repeated
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, verify_sdpa_attention_forward)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from ..utils.compat import only_capturing_hooks
 from . import verify_head
 from .few_rows import version_counter
 from .packed_linear import _check_available
@@ -69,8 +70,15 @@ class _Group:
         return tuple((m.weight, m.weight.data_ptr(), version_counter(m.weight)) for m in self.members)
 
     def fresh(self) -> bool:
-        key = self._key()
-        return self.key is not None and all(a[0] is b[0] and a[1:] == b[1:] for a, b in zip(key, self.key))
+        """Whether every member's weight is still the tensor packed, at the same address and version (checked before
+        every packed pass: a loop, not tuples, since it runs for every group of the target)."""
+        if self.key is None:
+            return False
+        for (packed_weight, address, version), member in zip(self.key, self.members):
+            weight = member._parameters.get("weight")
+            if weight is not packed_weight or weight.data_ptr() != address or version_counter(weight) != version:
+                return False
+        return True
 
     def pack(self) -> None:
         weights = [m.weight.detach() for m in self.members]
@@ -179,6 +187,23 @@ class PackedVerifyLinear(nn.Linear):
         packs, pad_to = active
         group, index = packs.index[id(self)]
         return group.output(index, x, pad_to)
+
+
+def fused_product(members: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor | None:
+    """`members`' outputs on the same input `x` (..., in) concatenated along the last dim (..., sum of outs), as one
+    packed product, where inside a `TargetPacks.scope` they are exactly one group, in that order; else None (call
+    the modules). The same values the modules return one by one (their group computes them as this product)."""
+    active = _ACTIVE.get(id(members[0]))
+    if active is None or x.dtype != members[0].weight.dtype or torch.is_grad_enabled():
+        return None
+    packs, pad_to = active
+    group, index = packs.index[id(members[0])]
+    if index or len(group.members) != len(members) or any(a is not b for a, b in zip(group.members, members)):
+        return None
+    if any(type(m) is not PackedVerifyLinear or not only_capturing_hooks([m]) for m in members):
+        return None  # a hook on a member would be skipped
+    rows = x.numel() // x.shape[-1]
+    return group.product(x.reshape(rows, x.shape[-1]), pad_to).reshape(*x.shape[:-1], -1)
 
 
 _PACKS: "weakref.WeakKeyDictionary[nn.Module, TargetPacks]" = weakref.WeakKeyDictionary()
@@ -462,6 +487,7 @@ __all__ = [
     "TargetPacks",
     "VerifyKernels",
     "free_packs",
+    "fused_product",
     "kernel_choice",
     "measure",
     "measured_steps",

@@ -82,6 +82,17 @@ PRIVATE_API = (
         "are processed on their own (a batch of one)",
         ("5.25",),
     ),
+    PrivateName(
+        "the op sequence of LlamaDecoderLayer / Qwen2, Qwen3, MistralDecoderLayer and their attention's forward "
+        "(mirrored), the modeling module's apply_rotary_pos_emb and eager_attention_forward, "
+        "masking_utils.create_causal_mask's positional order (config, inputs_embeds, attention_mask, cache, "
+        "position_ids), ALL_ATTENTION_FUNCTIONS.get_interface; output-capturing hooks are closures of "
+        "transformers.utils.output_capturing",
+        "kernels.lean_forward, compat.only_capturing_hooks",
+        "a round's target forward without the per-layer wrappers (~25 % of a 1–8 token forward on a 2-core CPU), "
+        "bit-identical logits checked by tests/test_lean_forward.py on this version",
+        ("5.25",),
+    ),
 )
 
 
@@ -97,6 +108,25 @@ def selects_hidden_states(model) -> bool:
         return False
     base = getattr(model, "base_model", model)
     return "hidden_states" in (getattr(base, "_can_record_outputs", None) or {})
+
+
+def only_capturing_hooks(modules) -> bool:
+    """Whether none of `modules` has a hook or a replaced `forward` (accelerate's offloading, `torch.compile`) beyond
+    the output-capturing hooks transformers installs itself, and no global module hook is set: code that runs the
+    modules' computation without calling them (`kernels.lean_forward`) would skip any other."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    for m in modules:
+        if "forward" in vars(m) or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
+        if any(getattr(h, "__module__", None) != CAPTURING_HOOKS for h in m._forward_hooks.values()):
+            return False
+    return True
+
+
+CAPTURING_HOOKS = "transformers.utils.output_capturing"  # where transformers' output-capturing hooks are defined
 
 
 # the transformers releases this package was tested with: the public hook exists from 5.24 on (see README)

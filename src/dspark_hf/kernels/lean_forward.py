@@ -1,0 +1,172 @@
+"""The target's forward in a decode round, without transformers' per-layer plumbing, for Llama-shaped decoders.
+
+A round's forward over 1–8 tokens of SmolLM2-135M spends ~21 ms in its linears and ~15 ms elsewhere on a 2-core AMD
+EPYC. Most of the rest is Python between the products: per layer the decorators that map deprecated arguments, the
+gradient-checkpointing wrapper, the output-capturing hooks, keyword plumbing and the attention interface's lookup, for
+~60 module calls a forward. `forward` runs the same computation with the same modules, in the same order, as the
+model's own `forward` does: embedding, `create_causal_mask`, the rotary embedding, then per layer the input norm,
+q/k/v projections (and Qwen3's q/k norms), `apply_rotary_pos_emb`, the cache update, the attention function the
+config names, the output projection, the residual, the post-attention norm, the MLP and the residual, and last the
+final norm and the LM head. Only the wrappers around them are skipped, so the logits are bit-identical to the model's
+own forward in the same kernel scope (tests/test_lean_forward.py), and every linear still goes through its module:
+the verify kernels, quantized linears and hooks on the linears, norms and MLPs act as before.
+
+It applies (`supports`) to the exact decoder-layer classes of `LAYERS` (Llama, Qwen2, Qwen3, Mistral) with no sliding
+window in use, in inference (no grad, eval mode), with no hooks on the modules it skips but transformers' own output
+capturing, and to the inputs a round passes (`input_ids`, a 2-D or 4-D mask, `position_ids`, a cache, the hidden
+states wanted). Everything else runs the model's own forward: `run_target(model, **inputs)` picks. `ENABLED = False`
+turns it off (side-by-side timings, or a model whose modeling code changed under the same class names).
+
+The hidden states come back as transformers returns them: index 0 the embeddings, i the output of layer i, the last
+the final norm's output; a list of indices keeps those and leaves None elsewhere, as a model that records its
+outputs does (`compat.selects_hidden_states`).
+"""
+
+import sys
+import weakref
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..utils.compat import only_capturing_hooks
+from .verify_linears import fused_product
+
+
+ENABLED = True
+# decoder-layer class name -> the attention's extra keyword (None: Llama passes none); checked by exact class, from
+# the modeling module of the model's own package
+LAYERS = {
+    "LlamaDecoderLayer": None,
+    "Qwen2DecoderLayer": "sliding_window",
+    "Qwen3DecoderLayer": "sliding_window",
+    "MistralDecoderLayer": "sliding_window",
+}
+
+_SUPPORTED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()  # the structural check
+
+
+def _structure(model: nn.Module) -> bool:
+    """Whether `model` is a `*ForCausalLM` over a base model of `LAYERS` decoder layers, built as transformers builds
+    them (attribute names, no sliding window in use, no pretraining tensor parallelism)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not all(hasattr(base, n) for n in ("embed_tokens", "norm", "rotary_emb")):
+        return False
+    if getattr(model, "lm_head", None) is None or type(model).__name__ != f"{type(base).__name__[:-5]}ForCausalLM":
+        return False
+    module = sys.modules.get(type(base).__module__)
+    for layer in layers:
+        name = type(layer).__name__
+        if name not in LAYERS or getattr(module, name, None) is not type(layer):
+            return False
+        attn = layer.self_attn
+        if LAYERS[name] and getattr(attn, "sliding_window", None) is not None:
+            return False
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "scaling")):
+            return False
+        mlp_class = getattr(module, name.replace("DecoderLayer", "MLP"), None)
+        if type(layer.mlp) is not mlp_class:
+            return False
+    config = model.config
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return False
+    if type(layers[0]).__name__ == "MistralDecoderLayer" and getattr(config, "sliding_window", None) is not None:
+        return False  # Mistral's attention takes the window from the config, and its mask is a sliding one
+    return all(hasattr(module, n) for n in ("apply_rotary_pos_emb", "eager_attention_forward"))
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `forward` can stand in for `model(...)` now (see the module docstring)."""
+    if not ENABLED or torch.is_grad_enabled() or model.training:
+        return False
+    known = _SUPPORTED.get(model)
+    if known is None:
+        known = _SUPPORTED[model] = _structure(model)
+    if not known:
+        return False
+    skipped = [model, model.model, *model.model.layers, *(layer.self_attn for layer in model.model.layers)]
+    return only_capturing_hooks(skipped)
+
+
+def run_target(model: nn.Module, **inputs):
+    """`forward(model, **inputs)` where `supports(model)`, else `model(**inputs)`."""
+    if supports(model):
+        return forward(model, **inputs)
+    return model(**inputs)
+
+
+def forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    output_hidden_states: bool | list[int] = False,
+    use_cache: bool = True,
+    **cache: object,
+) -> CausalLMOutputWithPast:
+    """The model's forward over `input_ids` (B, W) at `position_ids` (B, W), updating the cache given as the one
+    keyword left (`cache=` or `past_key_values=`). Returns logits (B, W, V) and the hidden states asked for."""
+    ((name, past),) = cache.items()
+    base = model.model
+    modeling = sys.modules[type(base).__module__]
+    hidden = base.embed_tokens(input_ids)
+    mask = create_causal_mask(model.config, hidden, attention_mask, past, position_ids)
+    cos, sin = base.rotary_emb(hidden, position_ids=position_ids)
+    layers = base.layers[: model.config.num_hidden_layers]
+    wanted = _wanted(output_hidden_states, len(layers) + 1)
+    states = [hidden if 0 in wanted else None]
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, modeling.eager_attention_forward)
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        residual = hidden
+        x = layer.input_layernorm(hidden)
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        qkv = fused_product((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        if qkv is None:
+            q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+        else:
+            q, k, v = (p.view(shape) for p in qkv.split(_widths(attn), dim=-1))
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = modeling.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        k, v = past.update(k, v.transpose(1, 2), attn.layer_idx)
+        extra = {"sliding_window": None} if LAYERS[type(layer).__name__] else {}
+        out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **extra)
+        hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        if i + 1 < len(layers):
+            states.append(hidden if i + 1 in wanted else None)
+    hidden = base.norm(hidden)
+    states.append(hidden if len(layers) in wanted else None)
+    return CausalLMOutputWithPast(
+        logits=model.lm_head(hidden),
+        hidden_states=tuple(states) if output_hidden_states not in (None, False) else None,
+        **{name: past},
+    )
+
+
+def _widths(attn: nn.Module) -> list[int]:
+    return [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`mlp(x)` = down(act(gate(x)) * up(x)), gate and up as one packed product where they are one group."""
+    gate_up = fused_product((mlp.gate_proj, mlp.up_proj), x) if only_capturing_hooks([mlp]) else None
+    if gate_up is None:
+        return mlp(x)
+    gate, up = gate_up.split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate.contiguous()) * up.contiguous())
+
+
+def _wanted(output_hidden_states: bool | list[int], count: int) -> set[int]:
+    if output_hidden_states is True:
+        return set(range(count))
+    if not output_hidden_states:
+        return set()
+    return {i % count for i in output_hidden_states if -count <= i < count}
+
+
+__all__ = ["ENABLED", "LAYERS", "forward", "run_target", "supports"]

@@ -1,0 +1,190 @@
+"""The round's target forward without transformers' wrappers (`kernels/lean_forward.py`): bit-identical to the model's
+own forward in every kernel scope, for the families it takes; the model's own forward everywhere else."""
+
+import contextlib
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from conftest import make_drafter, make_target
+from dspark_hf.decoding.ragged_cache import AppendCache
+from dspark_hf.kernels import lean_forward, verify_linears
+from dspark_hf.kernels.verify_linears import kernel_choice
+
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # biases on q/k/v
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),  # q/k norms
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+WAYS = (None, "linear", "few rows", "packed")  # None: no kernel scope
+
+
+def family_target(family, attn="sdpa", **overrides):
+    config_cls, model_cls, fields = FAMILIES[family]
+    return make_target(config_cls=config_cls, model_cls=model_cls, attn_implementation=attn, **{**fields, **overrides})
+
+
+@contextlib.contextmanager
+def scope(model, way, rows):
+    if way is None:
+        yield
+        return
+    old = verify_linears.FORCE
+    verify_linears.FORCE = way
+    try:
+        with kernel_choice(model).verify(model, rows):
+            yield
+    finally:
+        verify_linears.FORCE = old
+
+
+def round_inputs(batch=2, cached=9, width=4, vocab=99):
+    """A prefill of `cached` tokens per row (row 0 left-padded by two) and a round of `width` tokens with a hole."""
+    prompt = torch.randint(0, vocab, (batch, cached))
+    prompt_mask = torch.ones(batch, cached, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    ids = torch.randint(0, vocab, (batch, width))
+    mask = torch.cat([prompt_mask, torch.ones(batch, width, dtype=torch.long)], 1)
+    mask[1, -1] = 0  # a padding slot of row 1 (it verifies one token fewer)
+    positions = prompt_mask.sum(1, keepdim=True) + torch.arange(width)[None]
+    return prompt, prompt_mask, ids, mask, positions
+
+
+def both_forwards(model, way, hidden=(0, 2, -1), width=4, mask_4d=False):
+    """(the model's own output, lean_forward's, their caches' keys) on the same prefilled cache state."""
+    prompt, prompt_mask, ids, mask, positions = round_inputs(width=width)
+    if mask_4d:  # a star tree's additive (B, 1, W, T + W) mask: every slot sees the cache, the anchor and itself
+        batch, cached = mask.shape[0], mask.shape[1] - width
+        own = torch.eye(width, dtype=torch.bool)
+        own[:, 0] = True
+        cache_seen = mask[:, None, None, :cached].bool().expand(-1, 1, width, -1)
+        seen = torch.cat([cache_seen, own.expand(batch, 1, -1, -1)], -1)
+        mask = torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min)
+    outputs, keys = [], []
+    for lean in (False, True):
+        cache = AppendCache()
+        with torch.no_grad():
+            prompt_positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+            model(input_ids=prompt, attention_mask=prompt_mask, position_ids=prompt_positions, cache=cache)
+            inputs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, cache=cache)
+            with scope(model, way, ids.numel()):
+                assert lean_forward.supports(model)
+                out = (
+                    lean_forward.forward(model, **inputs, output_hidden_states=list(hidden))
+                    if lean
+                    else model(**inputs, output_hidden_states=list(hidden))
+                )
+        outputs.append(out)
+        keys.append([layer.keys.clone() for layer in cache.layers])
+    return outputs, keys
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("way", WAYS)
+def test_bit_identical_to_the_models_forward(family, way):
+    model = family_target(family)
+    (own, lean), (own_keys, lean_keys) = both_forwards(model, way)
+    assert torch.equal(own.logits, lean.logits)
+    assert len(own.hidden_states) == len(lean.hidden_states) == model.config.num_hidden_layers + 1
+    for a, b in zip(own.hidden_states, lean.hidden_states):
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(own_keys, lean_keys))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_bit_identical_with_a_tree_mask_and_eager_attention(attn):
+    model = family_target("llama", attn=attn)
+    (own, lean), _ = both_forwards(model, "packed", hidden=(1, 3), mask_4d=True)
+    assert torch.equal(own.logits, lean.logits)
+    assert torch.equal(own.hidden_states[3], lean.hidden_states[3]) and lean.hidden_states[2] is None
+
+
+def test_packed_siblings_run_as_one_product(monkeypatch):
+    """Inside a packed scope the lean forward computes q/k/v and gate/up as one product each without calling those
+    modules: only o, down and the LM head are module calls (the model's own forward calls all seven)."""
+    model = family_target("llama")
+    calls = []
+    original = verify_linears.PackedVerifyLinear.forward
+    monkeypatch.setattr(verify_linears.PackedVerifyLinear, "forward", lambda m, x: calls.append(m) or original(m, x))
+    both_forwards(model, "packed")
+    layers = model.config.num_hidden_layers
+    assert len(calls) == (7 * layers + 1) + (2 * layers + 1)
+
+
+def test_a_forward_breaks_if_the_lean_path_differs(monkeypatch):
+    """Negative control: the identity test sees a changed step (the post-attention norm skipped in the MLP)."""
+    model = family_target("llama")
+    monkeypatch.setattr(lean_forward, "_mlp", lambda mlp, x: mlp(x * 1.0001))
+    (own, lean), _ = both_forwards(model, "packed")
+    assert not torch.equal(own.logits, lean.logits)
+
+
+def test_other_models_and_states_run_their_own_forward():
+    gemma = make_target(config_cls=Gemma3TextConfig, model_cls=Gemma3ForCausalLM, attn_implementation="sdpa")
+    mistral_window = family_target("mistral", sliding_window=6)
+    qwen3_window = family_target("qwen3", use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    llama = family_target("llama")
+    with torch.no_grad():
+        assert not lean_forward.supports(gemma)
+        assert not lean_forward.supports(mistral_window)
+        assert not lean_forward.supports(qwen3_window)
+        assert lean_forward.supports(llama)
+        llama.train()
+        assert not lean_forward.supports(llama)
+        llama.eval()
+    assert not lean_forward.supports(llama)  # gradients on
+    lean_forward.ENABLED = False
+    try:
+        with torch.no_grad():
+            assert not lean_forward.supports(llama)
+    finally:
+        lean_forward.ENABLED = True
+
+
+def test_hooks_other_than_transformers_capture_send_it_to_the_models_forward():
+    model = family_target("llama")
+    ids = torch.randint(0, 99, (1, 5))
+    with torch.no_grad():
+        model(input_ids=ids, output_hidden_states=True)  # installs transformers' own capturing hooks
+        assert any(layer._forward_hooks for layer in model.model.layers)
+        assert lean_forward.supports(model)
+        seen = []
+        handle = model.model.layers[1].register_forward_hook(lambda *a: seen.append(1))
+        assert not lean_forward.supports(model)
+        positions = torch.arange(5)[None]
+        lean_forward.run_target(model, input_ids=ids, attention_mask=None, position_ids=positions, cache=None)
+        assert seen == [1]  # the model's own forward ran, with the user's hook
+        handle.remove()
+        model.model.layers[2].self_attn.forward = model.model.layers[2].self_attn.forward  # as accelerate does
+        assert not lean_forward.supports(model)
+        del model.model.layers[2].self_attn.forward
+        assert lean_forward.supports(model)
+
+
+def test_lossless_generation_through_the_lean_forward(monkeypatch):
+    """Greedy decoding with a drafter equals plain greedy with the lean forward in every round (it ran)."""
+    target = make_target(attn_implementation="sdpa")
+    drafter = make_drafter(target)
+    ran = []
+    original = lean_forward.forward
+    monkeypatch.setattr(lean_forward, "forward", lambda *a, **k: ran.append(1) or original(*a, **k))
+    ids = torch.randint(0, 99, (2, 7))
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    fast = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    assert torch.equal(plain, fast)
+    assert ran
