@@ -150,7 +150,7 @@ def test_a_measured_choice_is_kept_per_target_and_used_by_decode_loops(monkeypat
 def test_the_choice_follows_measured_verify_times_and_retries_the_other_way():
     """The table says packed; verifies measured slower packed than with `F.linear` (a loaded machine) switch to
     `F.linear`, retries try packed again, and packed returns once it measures faster."""
-    choice = VerifyKernels(KernelTable({4: ("packed", 4)}), retry=4, weight=0.5)
+    choice = VerifyKernels(KernelTable({4: ("packed", 4)}), retry=4, weight=0.5, max_retry=4)  # no backing off
     cost = {"packed": 0.09, "linear": 0.05}
     ways = []
     for _ in range(12):
@@ -173,7 +173,7 @@ def test_whole_verifies_decide_among_every_way_that_applies():
     """The table (the linears alone) says packed; whole verifies measure the few-row products fastest. Each other way
     is tried early until measured (a packed or few-row way's first verify is a warm-up), then the fastest runs, and
     the retries take the others in turn."""
-    choice = VerifyKernels(KernelTable({2: ("packed", 4)}), retry=8)
+    choice = VerifyKernels(KernelTable({2: ("packed", 4)}), retry=8, max_retry=8)  # no backing off
     cost = {"packed": 0.04, "few rows": 0.03, "linear": 0.06}
     ways, trials = [], []
     for _ in range(24):
@@ -188,3 +188,24 @@ def test_whole_verifies_decide_among_every_way_that_applies():
     assert retries == [7, 15, 23] and {ways[7], ways[15]} == {"packed", "linear"}  # every 8th, the others in turn
     table = KernelTable({1: ("few rows", 1)}, {"packed": {2: 30.0, 4: 20.0, 8: 25.0}})
     assert table.pad("packed", 1) == 4 and table.pad("packed", 5) == 8 and table.pad("few rows", 3) == 3
+
+
+def test_retries_back_off_while_the_other_ways_stay_slower_and_return_when_one_catches_up():
+    """A retry costs the slower way's time: while retries find it at least `margin` times the best, the interval at
+    that row count doubles up to `max_retry`; a retry that finds it within the margin sets it back to `retry`."""
+    choice = VerifyKernels(KernelTable({4: ("packed", 4)}), retry=4, weight=1.0, max_retry=16)
+    cost = {"packed": 0.02, "linear": 0.05}
+    ways = []
+    for _ in range(60):
+        way = choice.pick(4, "packed")
+        ways.append(way)
+        choice.record(4, way, cost[way])
+    retries = [i for i, way in enumerate(ways) if way == "linear"]
+    assert retries == [1, 3, 11, 27, 43, 59]  # early (unmeasured, then its early retry), then 8, 16, 16, 16 apart
+    cost["linear"] = 0.021  # within the margin now (another process took the cores oneDNN's calls wait on)
+    for _ in range(40):
+        way = choice.pick(4, "packed")
+        ways.append(way)
+        choice.record(4, way, cost[way])
+    retries = [i for i, way in enumerate(ways) if way == "linear" and i >= 60]
+    assert retries == [75, 79, 83, 87, 91, 95, 99]  # the retry at 75 found it close: every 4th again

@@ -369,7 +369,10 @@ class VerifyKernels:
     way and intra-op thread count (`threads.py` may run a round at fewer), exponentially weighted (`weight`; a packed
     or few-row way's first verify, which may pack the weights, left out); the 2nd, 4th, ... verifies at a row count
     try each other way that applies until each has been measured, every `retry`-th one after that the next of them
-    in turn, and the way with the lowest measured time is used.
+    in turn, and the way with the lowest measured time is used. A retry costs what the slower way costs (`F.linear`
+    took 1.7–2.9x a packed verify on a 2-core AMD EPYC): while retries keep finding the others at least `margin`
+    times slower than the best, the row count's interval doubles up to `max_retry`; a retry within the margin sets it
+    back to `retry`.
     """
 
     def __init__(
@@ -378,8 +381,14 @@ class VerifyKernels:
         retry: int = 16,
         weight: float = 0.3,
         clock: Callable[[], float] = time.perf_counter,
+        max_retry: int = 128,
+        margin: float = 1.25,
     ):
         self.table, self.retry, self.weight, self.clock = table, retry, weight, clock
+        self.max_retry, self.margin = max_retry, margin
+        self.intervals: dict[int, int] = {}  # rows -> verifies between retries (`retry`, doubled while they lose)
+        self.due: dict[int, int] = {}  # rows -> the verify count at which the next retry runs
+        self.retried: tuple[int, str] | None = None  # (rows, way) of the retry in flight
         self.seconds: dict[tuple[int, str, int], float] = {}  # (rows, way, threads) -> smoothed seconds of a verify
         self.seen: dict[tuple[int, str], int] = {}
         self.verifies: dict[int, int] = {}
@@ -411,13 +420,18 @@ class VerifyKernels:
         measured = {o: self.seconds[(rows, o, threads)] for o in options if (rows, o, threads) in self.seconds}
         best = min(measured, key=measured.get) if way in measured else way
         self.trial = True  # until shown otherwise: a way tried, or the table's before it is measured
-        if (n % 2 and n < 2 * len(options)) or n % self.retry == self.retry - 1:  # early, then seldom
+        due = n >= self.due.get(rows, self.retry - 1)
+        if (n % 2 and n < 2 * len(options)) or due:  # early, then seldom
             alternatives = [o for o in options if o != best]
             unmeasured = [o for o in alternatives if o not in measured]
             if unmeasured:
                 return unmeasured[0]
+            if due:
+                self.due[rows] = n + self.intervals.get(rows, self.retry)
             self.retries[rows] = self.retries.get(rows, 0) + 1
-            return alternatives[self.retries[rows] % len(alternatives)]
+            tried = alternatives[self.retries[rows] % len(alternatives)]
+            self.retried = (rows, tried)
+            return tried
         self.trial = best not in measured
         return best
 
@@ -425,9 +439,17 @@ class VerifyKernels:
         seen = self.seen[(rows, way)] = self.seen.get((rows, way), 0) + 1
         if seen == 1 and way != "linear":
             return  # a warm-up (packing the weights, first kernels); transformers' own products have none
-        key = (rows, way, torch.get_num_threads())  # a way's speed at the thread count it ran at (`threads.py`)
+        threads = torch.get_num_threads()
+        key = (rows, way, threads)  # a way's speed at the thread count it ran at (`threads.py`)
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+        if self.retried == (rows, way):  # a retry: back off while the others stay clearly slower
+            self.retried = None
+            others = [t for (r, w, n), t in self.seconds.items() if r == rows and n == threads and w != way]
+            losing = bool(others) and self.seconds[key] >= self.margin * min(others)
+            interval = self.intervals.get(rows, self.retry)
+            self.intervals[rows] = min(2 * interval, self.max_retry) if losing else self.retry
+            self.due[rows] = self.verifies[rows] - 1 + self.intervals[rows]
 
     @contextlib.contextmanager
     def verify(self, model: nn.Module, rows: int, linears: list[nn.Linear] | None = None):
