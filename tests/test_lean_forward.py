@@ -170,6 +170,11 @@ def test_hooks_other_than_transformers_capture_send_it_to_the_models_forward():
         lean_forward.run_target(model, input_ids=ids, attention_mask=None, position_ids=positions, cache=None)
         assert seen == [1]  # the model's own forward ran, with the user's hook
         handle.remove()
+        assert lean_forward.supports(model)  # an input it does not take goes to the model's own forward
+        out = lean_forward.run_target(
+            model, input_ids=ids, position_ids=positions, cache=AppendCache(), logits_to_keep=1
+        )
+        assert out.logits.shape[1] == 1
         model.model.layers[2].self_attn.forward = model.model.layers[2].self_attn.forward  # as accelerate does
         assert not lean_forward.supports(model)
         del model.model.layers[2].self_attn.forward

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
+from ..kernels.lean_forward import run_target
 from ..kernels.verify_head import eligible_linears, version
 from ..kernels.verify_linears import KernelTable, kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears, quantization
@@ -197,7 +198,8 @@ def profile_target(
                         kernels.verify(target, b * k, linears) if kernels else contextlib.nullcontext(),
                         per_token_activations(target, per_token),  # as the decode loop verifies (weights.py)
                     ):
-                        target(input_ids=ids, use_cache=True, **{cache_arg: cache})
+                        positions = torch.arange(context_len, context_len + k, device=device).expand(b, k)
+                        run_target(target, input_ids=ids, position_ids=positions, use_cache=True, **{cache_arg: cache})
                     _sync(device)
                     elapsed = time.perf_counter() - start
                     cache.crop(-k)

@@ -91,9 +91,21 @@ def supports(model: nn.Module) -> bool:
     return only_capturing_hooks(skipped)
 
 
+INPUTS = {"input_ids", "attention_mask", "position_ids", "output_hidden_states", "use_cache"}  # and the cache
+
+
 def run_target(model: nn.Module, **inputs):
-    """`forward(model, **inputs)` where `supports(model)`, else `model(**inputs)`."""
-    if supports(model):
+    """`forward(model, **inputs)` where `supports(model)` and the inputs are a round's (token ids, position ids and a
+    cache to update, optionally a mask and the hidden states wanted), else `model(**inputs)`."""
+    cache = [name for name in ("cache", "past_key_values") if inputs.get(name) is not None]
+    if (
+        len(cache) == 1
+        and set(inputs) <= INPUTS | set(cache)
+        and inputs.get("input_ids") is not None
+        and inputs.get("position_ids") is not None
+        and inputs.get("use_cache", True)
+        and supports(model)
+    ):
         return forward(model, **inputs)
     return model(**inputs)
 
@@ -101,8 +113,8 @@ def run_target(model: nn.Module, **inputs):
 def forward(
     model: nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
     output_hidden_states: bool | list[int] = False,
     use_cache: bool = True,
     **cache: object,
