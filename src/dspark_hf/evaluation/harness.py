@@ -13,7 +13,8 @@ The kernel-neutral baseline: on a CPU where the verify kernels run a step faster
 can use them, each prompt is also decoded plainly with every one-token step through the kernels measured for this
 machine (`verify_linears.measured_steps`: what a gated plain round costs; the JSON keys keep their old name,
 "padded"), and every run reports `speedup_vs_padded` beside `speedup`: what speculation itself buys. The baseline is
-the faster of the two.
+the faster of the two. Its steps run transformers' own forward; a round's skips the per-layer wrappers
+(`kernels.lean_forward`), a saving the baseline does not get.
 
 Draft latency against block length: each drafter proposes exactly L drafts per round (`fixed_draft_length`) on one
 prompt for every L, timed in real decoding rounds the same way for all: an autoregressive drafter pays one forward
