@@ -147,24 +147,26 @@ def test_a_measured_choice_is_kept_per_target_and_used_by_decode_loops(monkeypat
     assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=12, assistant_model=drafter), plain)
 
 
+def verifies(choice, cost, count, rows=4, way="packed"):
+    """`count` verifies of `rows` rows whose table says `way`, each costing `cost[the way picked]`: the ways picked."""
+    picked = []
+    for _ in range(count):
+        picked.append(choice.pick(rows, way))
+        choice.record(rows, picked[-1], cost[picked[-1]])
+    return picked
+
+
 def test_the_choice_follows_measured_verify_times_and_retries_the_other_way():
     """The table says packed; verifies measured slower packed than with `F.linear` (a loaded machine) switch to
     `F.linear`, retries try packed again, and packed returns once it measures faster."""
     choice = VerifyKernels(KernelTable({4: ("packed", 4)}), retry=4, weight=0.5, max_retry=4)  # no backing off
     cost = {"packed": 0.09, "linear": 0.05}
-    ways = []
-    for _ in range(12):
-        way = choice.pick(4, "packed")
-        ways.append(way)
-        choice.record(4, way, cost[way])
+    ways = verifies(choice, cost, 12)
     # packed (its warm-up), F.linear (an early retry), packed (measured), packed (the early retry of the other way)
     assert ways[:4] == ["packed", "linear", "packed", "packed"]
     assert ways[4:7] == ["linear"] * 3 and ways[7] == "packed" and ways[8:11] == ["linear"] * 3
     cost["packed"] = 0.01  # the load is gone
-    for _ in range(12):
-        way = choice.pick(4, "packed")
-        ways.append(way)
-        choice.record(4, way, cost[way])
+    ways += verifies(choice, cost, 12)
     assert ways[-4:] == ["packed"] * 3 + ["linear"]  # packed again, F.linear only on its retries
     assert choice.pick(2, "linear") == "linear"  # nothing else to try where the table says F.linear
 
@@ -195,17 +197,10 @@ def test_retries_back_off_while_the_other_ways_stay_slower_and_return_when_one_c
     that row count doubles up to `max_retry`; a retry that finds it within the margin sets it back to `retry`."""
     choice = VerifyKernels(KernelTable({4: ("packed", 4)}), retry=4, weight=1.0, max_retry=16)
     cost = {"packed": 0.02, "linear": 0.05}
-    ways = []
-    for _ in range(60):
-        way = choice.pick(4, "packed")
-        ways.append(way)
-        choice.record(4, way, cost[way])
+    ways = verifies(choice, cost, 60)
     retries = [i for i, way in enumerate(ways) if way == "linear"]
     assert retries == [1, 3, 11, 27, 43, 59]  # early (unmeasured, then its early retry), then 8, 16, 16, 16 apart
     cost["linear"] = 0.021  # within the margin now (another process took the cores oneDNN's calls wait on)
-    for _ in range(40):
-        way = choice.pick(4, "packed")
-        ways.append(way)
-        choice.record(4, way, cost[way])
+    ways += verifies(choice, cost, 40)
     retries = [i for i, way in enumerate(ways) if way == "linear" and i >= 60]
     assert retries == [75, 79, 83, 87, 91, 95, 99]  # the retry at 75 found it close: every 4th again

@@ -1,15 +1,17 @@
 """The target's forward in a decode round, without transformers' per-layer plumbing, for Llama-shaped decoders.
 
 A round's forward over 1–8 tokens of SmolLM2-135M spends ~21 ms in its linears and ~15 ms elsewhere on a 2-core AMD
-EPYC. Most of the rest is Python between the products: per layer the decorators that map deprecated arguments, the
-gradient-checkpointing wrapper, the output-capturing hooks, keyword plumbing and the attention interface's lookup, for
-~60 module calls a forward. `forward` runs the same computation with the same modules, in the same order, as the
-model's own `forward` does: embedding, `create_causal_mask`, the rotary embedding, then per layer the input norm,
-q/k/v projections (and Qwen3's q/k norms), `apply_rotary_pos_emb`, the cache update, the attention function the
-config names, the output projection, the residual, the post-attention norm, the MLP and the residual, and last the
-final norm and the LM head. Only the wrappers around them are skipped, so the logits are bit-identical to the model's
-own forward in the same kernel scope (tests/test_lean_forward.py), and every linear still goes through its module:
-the verify kernels, quantized linears and hooks on the linears, norms and MLPs act as before.
+EPYC, much of it Python between the products. About 2 ms of that (5 %) is transformers' per-layer wrappers: the
+decorators that map deprecated arguments, the gradient-checkpointing layer, the output-capturing hooks, keyword
+plumbing and the attention interface's lookup, in every layer. `forward` runs the same computation with the same
+modules, in the same order, as the model's own `forward` does: embedding, `create_causal_mask`, the rotary
+embedding, then per layer the input norm, q/k/v projections (and Qwen3's q/k norms), `apply_rotary_pos_emb`, the
+cache update, the attention function the config names, the output projection, the residual, the post-attention norm,
+the MLP and the residual, and last the final norm and the LM head. Only the wrappers around them are skipped, so the
+logits are bit-identical to the model's own forward in the same kernel scope (tests/test_lean_forward.py). The
+linears go through their modules (the verify kernels, quantized linears and their hooks act as before), except that
+inside a packed scope q/k/v and gate/up without hooks run as their group's one product
+(`verify_linears.fused_product`), which is what their modules would compute.
 
 It applies (`supports`) to the exact decoder-layer classes of `LAYERS` (Llama, Qwen2, Qwen3, Mistral) with no sliding
 window in use, in inference (no grad, eval mode), with no hooks on the modules it skips but transformers' own output
@@ -53,11 +55,12 @@ def _structure(model: nn.Module) -> bool:
     them (attribute names, no sliding window in use, no pretraining tensor parallelism)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
-    if layers is None or not all(hasattr(base, n) for n in ("embed_tokens", "norm", "rotary_emb")):
-        return False
-    if getattr(model, "lm_head", None) is None or type(model).__name__ != f"{type(base).__name__[:-5]}ForCausalLM":
+    if not layers or not all(hasattr(base, n) for n in ("embed_tokens", "norm", "rotary_emb")):
         return False
     module = sys.modules.get(type(base).__module__)
+    causal_lm = f"{type(base).__name__.removesuffix('Model')}ForCausalLM"
+    if getattr(model, "lm_head", None) is None or getattr(module, causal_lm, None) is not type(model):
+        return False
     for layer in layers:
         name = type(layer).__name__
         if name not in LAYERS or getattr(module, name, None) is not type(layer):
@@ -79,7 +82,8 @@ def _structure(model: nn.Module) -> bool:
 
 
 def supports(model: nn.Module) -> bool:
-    """Whether `forward` can stand in for `model(...)` now (see the module docstring)."""
+    """Whether `forward` can stand in for `model(...)` now (see the module docstring). The model's structure is
+    checked once per model; the hooks, mode and gradients every call."""
     if not ENABLED or torch.is_grad_enabled() or model.training:
         return False
     known = _SUPPORTED.get(model)
