@@ -125,7 +125,7 @@ def forward(
 ) -> CausalLMOutputWithPast:
     """The model's forward over `input_ids` (B, W) at `position_ids` (B, W), updating the cache given as the one
     keyword left (`cache=` or `past_key_values=`). Returns logits (B, W, V) and the hidden states asked for."""
-    ((name, past),) = cache.items()
+    (past,) = cache.values()
     base = model.model
     modeling = sys.modules[type(base).__module__]
     hidden = base.embed_tokens(input_ids)
@@ -160,8 +160,12 @@ def forward(
     return CausalLMOutputWithPast(
         logits=model.lm_head(hidden),
         hidden_states=tuple(states) if output_hidden_states not in (None, False) else None,
-        **{name: past},
+        **{_CACHE_FIELD: past},
     )
+
+
+# the output's cache field: `cache` from transformers 5.25 on, `past_key_values` before
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def _widths(attn: nn.Module) -> list[int]:
