@@ -106,6 +106,13 @@ def test_bit_identical_to_the_models_forward(family, way):
     assert all(torch.equal(a, b) for a, b in zip(own_keys, lean_keys))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bit_identical_in_bfloat16(family):
+    model = family_target(family).to(torch.bfloat16)
+    (own, lean), _ = both_forwards(model, "linear")
+    assert own.logits.dtype == torch.bfloat16 and torch.equal(own.logits, lean.logits)
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_bit_identical_with_a_tree_mask_and_eager_attention(attn):
     model = family_target("llama", attn=attn)
