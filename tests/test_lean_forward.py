@@ -133,10 +133,20 @@ def test_packed_siblings_run_as_one_product(monkeypatch):
     assert len(calls) == (7 * layers + 1) + (2 * layers + 1)
 
 
+def test_a_hook_on_a_sibling_linear_is_called_and_the_values_stay(monkeypatch):
+    """A hook on q_proj (or any module a fused product would skip) makes the lean forward call the modules."""
+    model = family_target("llama")
+    seen = []
+    model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda *a: seen.append(1))
+    (own, lean), _ = both_forwards(model, "packed")
+    assert seen == [1] * 4  # each side's prefill and its round, the lean one included
+    assert torch.equal(own.logits, lean.logits)
+
+
 def test_a_forward_breaks_if_the_lean_path_differs(monkeypatch):
     """Negative control: the identity test sees a changed step (the post-attention norm skipped in the MLP)."""
     model = family_target("llama")
-    monkeypatch.setattr(lean_forward, "_mlp", lambda mlp, x: mlp(x * 1.0001))
+    monkeypatch.setattr(lean_forward, "_mlp", lambda mlp, x, fuse: mlp(x * 1.0001))
     (own, lean), _ = both_forwards(model, "packed")
     assert not torch.equal(own.logits, lean.logits)
 

@@ -135,12 +135,14 @@ def forward(
     wanted = _wanted(output_hidden_states, len(layers) + 1)
     states = [hidden if 0 in wanted else None]
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, modeling.eager_attention_forward)
+    extra = {"sliding_window": None} if LAYERS[type(layers[0]).__name__] else {}
+    fuse = only_capturing_hooks(_fused_modules(layers))  # siblings run as one product only if none has a hook
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         residual = hidden
         x = layer.input_layernorm(hidden)
         shape = (*x.shape[:-1], -1, attn.head_dim)
-        qkv = fused_product((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        qkv = fused_product((attn.q_proj, attn.k_proj, attn.v_proj), x) if fuse else None
         if qkv is None:
             q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
         else:
@@ -149,10 +151,9 @@ def forward(
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = modeling.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         k, v = past.update(k, v.transpose(1, 2), attn.layer_idx)
-        extra = {"sliding_window": None} if LAYERS[type(layer).__name__] else {}
         out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **extra)
         hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
-        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden), fuse)
         if i + 1 < len(layers):
             states.append(hidden if i + 1 in wanted else None)
     hidden = base.norm(hidden)
@@ -172,13 +173,22 @@ def _widths(attn: nn.Module) -> list[int]:
     return [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mlp(mlp: nn.Module, x: torch.Tensor, fuse: bool) -> torch.Tensor:
     """`mlp(x)` = down(act(gate(x)) * up(x)), gate and up as one packed product where they are one group."""
-    gate_up = fused_product((mlp.gate_proj, mlp.up_proj), x) if only_capturing_hooks([mlp]) else None
+    gate_up = fused_product((mlp.gate_proj, mlp.up_proj), x) if fuse else None
     if gate_up is None:
         return mlp(x)
     gate, up = gate_up.split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
     return mlp.down_proj(mlp.act_fn(gate.contiguous()) * up.contiguous())
+
+
+def _fused_modules(layers) -> list[nn.Module]:
+    """The modules a fused product skips calling: q/k/v, the MLP and its gate/up, in every layer."""
+    out = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [attn.q_proj, attn.k_proj, attn.v_proj, mlp, mlp.gate_proj, mlp.up_proj]
+    return out
 
 
 def _wanted(output_hidden_states: bool | list[int], count: int) -> set[int]:

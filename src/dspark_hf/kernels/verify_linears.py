@@ -33,7 +33,6 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..utils.compat import only_capturing_hooks
 from . import verify_head
 from .few_rows import version_counter
 from .packed_linear import _check_available
@@ -67,7 +66,8 @@ class _Group:
         self.stash: tuple | None = None  # (input, its version, {member index: output}) for the other members
 
     def _key(self) -> tuple:
-        return tuple((m.weight, m.weight.data_ptr(), version_counter(m.weight)) for m in self.members)
+        weights = [m._parameters["weight"] for m in self.members]
+        return tuple((w, w.data_ptr(), version_counter(w)) for w in weights)
 
     def fresh(self) -> bool:
         """Whether every member's weight is still the tensor packed, at the same address and version (checked before
@@ -181,27 +181,36 @@ class PackedVerifyLinear(nn.Linear):
     computes_as_linear = True  # the same product as `nn.Linear` (modeling_dspark's `_plain_linear` reads this)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        active = _ACTIVE.get(id(self))
-        if active is None or x.dtype != self.weight.dtype or torch.is_grad_enabled():
+        active = _active(self, x)
+        if active is None:
             return nn.functional.linear(x, self.weight, self.bias)
         packs, pad_to = active
         group, index = packs.index[id(self)]
         return group.output(index, x, pad_to)
 
 
+def _active(module: nn.Module, x: torch.Tensor) -> tuple["TargetPacks", int] | None:
+    """(packs, rows to pad to) where `module`'s product of `x` runs packed: inside a scope, same dtype, no grad."""
+    active = _ACTIVE.get(id(module))
+    if active is None or x.dtype != module.weight.dtype or torch.is_grad_enabled():
+        return None
+    return active
+
+
 def fused_product(members: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor | None:
     """`members`' outputs on the same input `x` (..., in) concatenated along the last dim (..., sum of outs), as one
     packed product, where inside a `TargetPacks.scope` they are exactly one group, in that order; else None (call
-    the modules). The same values the modules return one by one (their group computes them as this product)."""
-    active = _ACTIVE.get(id(members[0]))
-    if active is None or x.dtype != members[0].weight.dtype or torch.is_grad_enabled():
+    the modules). The same values the modules return one by one (their group computes them as this product). The
+    modules are not called: the caller makes sure none has a hook (`compat.only_capturing_hooks`)."""
+    active = _active(members[0], x)
+    if active is None:
         return None
     packs, pad_to = active
     group, index = packs.index[id(members[0])]
     if index or len(group.members) != len(members) or any(a is not b for a, b in zip(group.members, members)):
         return None
-    if any(type(m) is not PackedVerifyLinear or not only_capturing_hooks([m]) for m in members):
-        return None  # a hook on a member would be skipped
+    if any(type(m) is not PackedVerifyLinear for m in members):
+        return None
     rows = x.numel() // x.shape[-1]
     return group.product(x.reshape(rows, x.shape[-1]), pad_to).reshape(*x.shape[:-1], -1)
 
