@@ -56,6 +56,7 @@ CASES = [
     ("markov-confidence-without-markov", "llama", dict(sequential_head="markov", confidence_with_markov=False), 0),
     ("rnn-llama3-rope-tied-target", "llama3", dict(sequential_head="rnn"), 40),
     ("markov-qwen3-target", "qwen3", dict(sequential_head="markov"), 0),
+    ("markov-context-window", "llama", dict(sequential_head="markov", context_window=5), 0),  # bites from anchor 6
 ]
 
 
@@ -111,16 +112,18 @@ def make_drafter(target, overrides: dict, draft_vocab: int, seed: int = 1):
 
 
 def reference_outputs(drafter, target, input_ids, features):
-    """Our block logits over the draft vocabulary (N, γ, V') and confidence logits (N, γ), anchors 1 .. L-γ-1."""
+    """Our block logits over the draft vocabulary (N, γ, V') and confidence logits (N, γ), anchors 1 .. L-γ-1.
+    With a context window W, the block anchored at a sees the context a - W .. a - 1, as drafting feeds it."""
     import torch
 
-    gamma = drafter.config.block_size
+    gamma, window = drafter.config.block_size, drafter.config.context_window
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     ids = drafter.draft_vocab_ids
     logits, confidence = [], []
     for a in range(1, input_ids.shape[1] - gamma):
         noise = drafter.block_input_embeds(input_ids[:, a : a + 1], embed)  # (1, γ, d): anchor + mask slots
-        hidden = drafter(noise, features[:, :a], torch.arange(a + gamma)[None]).last_hidden_state
+        start = 0 if window is None else max(0, a - window)
+        hidden = drafter(noise, features[:, start:a], torch.arange(start, a + gamma)[None]).last_hidden_state
         prev = input_ids[:, a : a + gamma]  # teacher forcing: the anchor, then the block's true tokens
         block = drafter.draft_base_logits(hidden, lm_head)
         bias, _ = drafter.draft_sequential_bias(prev, hidden)

@@ -23,8 +23,10 @@ from dspark_hf.evaluation.long_context import (
     long_context_sets,
     parse_context_lengths,
 )
-from dspark_hf.integrations.export import check_exportable, export_blockers
+from dspark_hf.integrations.deepspec import export_deepspec
+from dspark_hf.integrations.export import check_exportable, export_blockers, window_blockers
 from dspark_hf.integrations.hub import model_card
+from dspark_hf.integrations.speculators import speculators_config_dict
 from dspark_hf.training import make_blocks
 from dspark_hf.training.config import DSparkTrainingConfig
 from dspark_hf.training.generate_data import LONG_PROMPT_TOKENS, DataConfig
@@ -200,15 +202,26 @@ def test_windowed_rows_of_different_lengths_match_their_own_greedy(target):
         assert row == target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=15)[0, len(p) :].tolist()
 
 
-def test_window_is_checked_and_refused_at_export(target):
+def test_window_is_checked_carried_by_speculators_and_refused_by_deepspec(target, tmp_path):
     with pytest.raises(ValueError, match="context_window"):
         make_drafter(target, context_window=0)
     drafter = make_drafter(target, context_window=512)
     assert DSparkDraftModel(drafter.config).config.context_window == 512
-    assert [field for field, _ in export_blockers(drafter.config)] == ["context_window"]
+    assert export_blockers(drafter.config) == []
+    check_exportable(drafter.config, "vLLM / speculators")
+    # speculators declares it as sliding layers (what speculators' mask and llama.cpp's converter read)
+    layers = speculators_config_dict(drafter, target)["transformer_layer_config"]
+    assert layers["use_sliding_window"] and layers["sliding_window"] == 512
+    assert layers["layer_types"] == ["sliding_attention"] * drafter.config.num_hidden_layers
+    plain = speculators_config_dict(make_drafter(target), target)
+    layers = plain["transformer_layer_config"]
+    assert not layers["use_sliding_window"] and "sliding_window" not in layers
+    assert set(layers["layer_types"]) == {"full_attention"}
+    assert plain["sliding_window_non_causal"]  # a block's slots see each other both ways in every layer
+    assert [field for field, _ in window_blockers(drafter.config)] == ["context_window"]
     with pytest.raises(ValueError, match="context_window"):
-        check_exportable(drafter.config, "vLLM / speculators")
-    assert export_blockers(make_drafter(target).config) == []
+        export_deepspec(drafter, target, tmp_path / "deepspec")
+    assert not (tmp_path / "deepspec").exists()
     assert "- context window: 512 (" in model_card(drafter.config)
     assert "context window" not in model_card(make_drafter(target).config)
 

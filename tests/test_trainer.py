@@ -326,6 +326,34 @@ def test_a_stage_starts_from_an_earlier_drafter(tmp_path):
     assert any(not torch.equal(p, trained.state_dict()[n]) for n, p in first.state_dict().items())
 
 
+def test_distil_from_pulls_a_drafter_towards_another(tmp_path):
+    """`distil_from`: the trained drafter's block distributions approach the teacher drafter's (KL on a held batch
+    falls), which training on the target alone does not do; a teacher drafting other blocks is refused."""
+    from dspark_hf.training.step import block_predictions
+
+    target = make_target()
+    DSparkTrainer(config(tmp_path / "t", seed=1, max_steps=2), target, tiny_dataset()).train()
+    teacher_dir = str(tmp_path / "t/run/checkpoint-2")
+    judge = DSparkTrainer(config(tmp_path / "judge", distil_from=teacher_dir), target, tiny_dataset())
+
+    def distance_to_teacher(drafter):
+        ids, mask, _ = judge.batch_for(10_000)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            p = block_predictions(drafter.eval(), target, ids, mask, 4, gen, teacher=judge.teacher)
+        kl = p.teacher_logits.softmax(-1) * (p.teacher_logits.log_softmax(-1) - p.draft_logits.log_softmax(-1))
+        return float((kl.sum(-1) * p.blocks.valid).sum() / p.blocks.valid.sum())
+
+    start = distance_to_teacher(judge.accelerator.unwrap_model(judge.drafter))  # seed 0: where both runs start
+    quiet = dict(alpha_ce=0.0, alpha_tv=0.0, alpha_kl=1.0, alpha_conf=0.0, max_steps=12, save_every=12)
+    distilled = DSparkTrainer(config(tmp_path / "d", distil_from=teacher_dir, **quiet), target, tiny_dataset())
+    control = DSparkTrainer(config(tmp_path / "c", **quiet), target, tiny_dataset())  # the target's KL instead
+    after, other = distance_to_teacher(distilled.train()), distance_to_teacher(control.train())
+    assert after < 0.5 * start and after < 0.5 * other, (start, after, other)
+    with pytest.raises(ValueError, match="block_size"):
+        DSparkTrainer(config(tmp_path / "bad", block_size=4, distil_from=teacher_dir), target, tiny_dataset())
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_checkpoints_draft_over_the_training_shortlist(tmp_path, keep):
     """With `train_vocab_size`, every checkpoint carries the shortlist as its draft vocabulary (inference drafts

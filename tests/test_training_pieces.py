@@ -98,6 +98,25 @@ def test_kl_term_on_hand_made_distributions():
     assert same.kl.item() == pytest.approx(0.0, abs=1e-7)
 
 
+def test_distillation_matches_the_teacher_and_keeps_the_confidence_target_on_the_target():
+    # `teacher_logits`: the L1 and KL terms pull towards another drafter's distribution, while c* (the confidence
+    # target) still measures acceptance by the target
+    draft = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+    teacher = torch.log(torch.tensor([[[0.25, 0.25, 0.5]]]))
+    target = torch.log(torch.tensor([[[0.25, 0.5, 0.25]]]))
+    labels, valid, conf = torch.tensor([[1]]), torch.tensor([[True]]), torch.zeros(1, 1)
+    out = dspark_loss(draft, target, labels, valid, conf, alpha_kl=1.0, teacher_logits=teacher)
+    assert out.kl.item() == pytest.approx(0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5))
+    assert out.tv.item() == pytest.approx(0.5)  # |0.5-0.25| + 0 + |0.25-0.5|
+    assert out.accept_rate[0].item() == pytest.approx(0.75)  # 1 - ½‖p_d - p_t‖₁, against the target
+    own = dspark_loss(teacher, target, labels, valid, conf, alpha_kl=1.0, teacher_logits=teacher)
+    assert own.kl.item() == pytest.approx(0.0, abs=1e-7) and own.tv.item() == pytest.approx(0.0, abs=1e-7)
+    assert own.accept_rate[0].item() == pytest.approx(0.75)  # the teacher itself is not the target
+    # negative control: without a teacher the same call matches the target
+    plain = dspark_loss(draft, target, labels, valid, conf, alpha_kl=1.0)
+    assert plain.kl.item() == pytest.approx(0.25 * math.log(0.25 / 0.5) + 0.5 * math.log(0.5 / 0.25))
+
+
 def test_kl_gradient_does_not_vanish_where_l1_does():
     # a drafter that puts almost no mass on the target's token: the L1 term's logit gradient is O(p_d), the KL's
     # is p_d - p_t, so only the KL moves that logit

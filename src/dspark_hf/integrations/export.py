@@ -41,19 +41,20 @@ def export_blockers(config: DSparkConfig) -> list[tuple[str, str]]:
         )
     if config.mlp_bias:
         out.append(("mlp_bias", "its MLP has biases (`mlp_bias=True`); Qwen3's has none"))
-    out += window_blockers(config)
     return out
 
 
 def window_blockers(config: DSparkConfig) -> list[tuple[str, str]]:
-    """The bounded context window (`context_window`), which no engine's DSpark draft layer applies: they attend to
-    the whole context, so an exported drafter would draft from another distribution than it was measured with."""
+    """The bounded context window (`context_window`), which the DeepSpec export does not carry (the speculators
+    format and GGUF do, as a sliding window): DeepSpec's draft layer would attend to the whole context and draft from
+    another distribution than the drafter was measured with."""
     if getattr(config, "context_window", None) is None:
         return []
     return [
         (
             "context_window",
-            f"{config.context_window}: the engines' draft layer attends to the whole context; set "
+            f"{config.context_window}: the DeepSpec export has no sliding window, so its draft layer would attend to "
+            "the whole context (the speculators and GGUF formats carry the window); set "
             "`drafter.config.context_window = None` before exporting if the drafter was trained without a window "
             "(acceptance on long prompts may then drop)",
         )

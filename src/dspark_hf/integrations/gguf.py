@@ -16,7 +16,13 @@ What llama.cpp's DSpark path carries (llama.cpp as vendored by llama-cpp-python 
 * without a sequential head (`sequential_head="none"`) the GGUF is a DFlash drafter, which llama.cpp runs with
   `--spec-type draft-dflash` (the Markov tensors are what select draft-dspark);
 * a draft vocabulary (written as `d2t`, absolute token ids) and any Llama-family or Qwen3 target whose llama.cpp
-  graph records its layer inputs (`res->t_layer_inp`, e.g. `src/models/llama.cpp`, `src/models/qwen3.cpp`).
+  graph records its layer inputs (`res->t_layer_inp`, e.g. `src/models/llama.cpp`, `src/models/qwen3.cpp`);
+* a bounded context window (`context_window`): the converter reads the speculators folder's `use_sliding_window`,
+  `sliding_window` and `layer_types` into `attention.sliding_window` and its per-layer pattern
+  (`conversion/qwen.py`, `DFlashModel.set_gguf_parameters`), and `src/models/dflash.cpp` builds the draft's KV cache
+  with that window. llama.cpp windows per query position (`llama_hparams::is_masked_swa`: a key is hidden once
+  `p_query - p_key >= W`), so the slot at a + j sees the context back to a + j - W + 1: the j + 1 oldest of the W
+  positions ours sees are missing there (drafts may differ there, never the output).
 """
 
 import os
@@ -106,6 +112,12 @@ def export_gguf(
             "sequential_head='markov' (and confidence_with_markov=True)."
         )
     script = find_converter(llamacpp_dir)
+    if getattr(drafter.config, "context_window", None) is not None:
+        logger.warning(
+            f"llama.cpp applies the drafter's context window ({drafter.config.context_window}) per query position: "
+            "block slot j sees j + 1 fewer of the oldest context positions than here, so its drafts can differ on "
+            "long prompts (the output never does)."
+        )
     out_file = Path(out_file)
     if out_file.exists() and not overwrite:
         raise FileExistsError(f"{out_file} exists; pass overwrite=True (--overwrite) to replace it.")

@@ -10,7 +10,14 @@ Written from the format as `speculators` 0.9.0 defines it (`DSparkSpeculatorConf
   `speculators_config` = {algorithm "dspark", one greedy proposal method of `block_size` speculative tokens,
   `verifier` = the target's name or path and architectures}. vLLM reads the target from there.
 * `transformer_layer_config`: a Qwen3 config of the draft layers (the drafter's width, heads, FFN, RoPE, norm eps,
-  `num_hidden_layers` = draft layers) whose `vocab_size` is the target's.
+  `num_hidden_layers` = draft layers) whose `vocab_size` is the target's. A bounded context window
+  (`context_window` W) is written the way speculators declares one: every layer a "sliding_attention" layer,
+  `use_sliding_window`, `sliding_window` = W. speculators' own model then windows exactly as we do (a block anchored
+  at a sees the context a - W .. a - 1); the serving engines window per query position (the slot at a + j sees
+  context back to a + j - W + 1), so their slot j misses the j + 1 oldest of our W positions: drafts may differ
+  there, never the output.
+* `sliding_window_non_causal=true`: a block's slots attend to each other both ways (vLLM maps it to a non-causal
+  draft layer; in speculators it matters only for sliding layers).
 * DSpark fields: `block_size`, `mask_token_id`, `sample_from_anchor=true` (the anchor slot drafts the first token,
   as here and in DeepSpec), `markov_rank` (0 = no sequential head, the DFlash baseline), `markov_head_type`
   (vanilla/gated/rnn for our markov/gated_markov/rnn), `enable_confidence_head`, `confidence_head_with_markov`,
@@ -81,12 +88,23 @@ def _layer_config(drafter: DSparkDraftModel, target_config) -> dict:
         rope_parameters=config.rope_parameters,
         attention_bias=config.attention_bias,
         attention_dropout=config.attention_dropout,
-        use_sliding_window=False,
-        layer_types=list(config.layer_types),
+        **_window_fields(config),
         tie_word_embeddings=False,
         bos_token_id=getattr(text, "bos_token_id", None),
         eos_token_id=getattr(text, "eos_token_id", None),
         pad_token_id=getattr(text, "pad_token_id", None),
+    )
+
+
+def _window_fields(config) -> dict:
+    """The bounded context window (`context_window` W) as speculators declares one: every draft layer a
+    "sliding_attention" layer of `sliding_window` W. speculators' DFlash mask then lets a block anchored at a see the
+    context positions a - W .. a - 1, as ours does (`models/dflash/attention.py`, `kv_base_pos >= q_anchor - W`)."""
+    window = getattr(config, "context_window", None)
+    if window is None:
+        return dict(use_sliding_window=False, layer_types=list(config.layer_types))
+    return dict(
+        use_sliding_window=True, sliding_window=window, layer_types=["sliding_attention"] * config.num_hidden_layers
     )
 
 
@@ -109,7 +127,7 @@ def speculators_config_dict(drafter: DSparkDraftModel, target, verifier: str | N
         target_hidden_size=None,
         aux_hidden_state_layer_ids=[i + 1 for i in config.target_layer_ids],
         mask_token_id=config.mask_token_id,
-        sliding_window_non_causal=False,
+        sliding_window_non_causal=True,  # a block's slots see each other both ways, windowed or not
         sample_from_anchor=True,
         markov_rank=rank,
         markov_head_type=HEAD_TYPES.get(head, "vanilla"),

@@ -29,7 +29,8 @@ class DSparkTrainingConfig:
     Speed: `train_vocab_size` restricts the training-time output to a shortlist of frequent tokens, which
         `shortlist_draft_vocab` also saves as the checkpoint's draft vocabulary.
     Loss: `alpha_ce`, `alpha_tv`, `alpha_conf`, `loss_decay` (DeepSpec: 0.1 / 0.9 / 1.0, decay 4.0); `alpha_kl`
-        adds the forward KL to the target's distribution (0 in the paper's recipe).
+        adds the forward KL to the target's distribution (0 in the paper's recipe). `distil_from` distils another
+        drafter instead: the L1 and KL terms then match its block distributions.
     Run: `output_dir`, `save_every`, `log_every`, `seed`, `target` (a model path; None = the embedded default).
     """
 
@@ -52,6 +53,14 @@ class DSparkTrainingConfig:
         default=None,
         metadata={
             "help": "start from this drafter checkpoint (its config and weights), e.g. an earlier stage's best/"
+        },
+    )
+    distil_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "distil from this drafter checkpoint: the L1/KL terms match its block distributions instead of "
+            "the target's (labels and the confidence target stay the target's); e.g. to make an exportable successor "
+            "of a drafter"
         },
     )
     drafter_kind: str = field(

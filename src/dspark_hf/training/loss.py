@@ -9,6 +9,10 @@ Each term is Σ w·loss / Σ w over supervised positions (weighted means, not su
 Deviation (off by default, α_kl = 0): the forward KL to the target's distribution, the distillation loss of
 EAGLE-style drafters. L1 is what acceptance measures, but its gradient on a token's logit scales with p_d of that
 token, so a drafter far from the target learns slowly; the KL's gradient (p_d - p_t) does not vanish there.
+
+Distilling another drafter (`teacher_logits`, the training option `distil_from`): the L1 and KL terms match the
+teacher drafter's block distribution instead of p_t, while the CE labels and the confidence target c* stay the
+target's, so the confidence head keeps predicting acceptance by the target.
 """
 
 from dataclasses import dataclass
@@ -45,8 +49,10 @@ def dspark_loss(
     alpha_tv: float = 0.9,
     alpha_conf: float = 1.0,
     alpha_kl: float = 0.0,
+    teacher_logits: torch.Tensor | None = None,
 ) -> DSparkLossOutput:
-    """draft_logits, target_logits (..., γ, V); labels, valid (..., γ); confidence_logits (..., γ) or None.
+    """draft_logits, target_logits (..., γ, V); labels, valid (..., γ); confidence_logits (..., γ) or None;
+    teacher_logits (..., γ, V): another drafter's, the distribution the L1 and KL terms match (None: the target's).
 
     A label of -1 is outside the output vocabulary (training on a shortlist): it adds no CE and counts as a miss.
     """
@@ -57,17 +63,21 @@ def dspark_loss(
     in_vocab = labels >= 0
     ce = -log_pd.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * in_vocab  # (..., γ)
     zero = draft_logits.new_zeros(())
+    matched = target_logits if teacher_logits is None else teacher_logits  # what the L1 and KL terms pull towards
     tv = l1 = zero
     if alpha_tv or confidence_logits is not None:
         l1 = (log_pd.exp() - F.softmax(target_logits.float(), dim=-1)).abs().sum(-1)  # (..., γ), = 2·TV
         tv = (weights * l1).sum() / denom
+    if alpha_tv and teacher_logits is not None:
+        tv = (weights * (log_pd.exp() - F.softmax(matched.float(), dim=-1)).abs().sum(-1)).sum() / denom
     kl = zero
     if alpha_kl:
-        log_pt = F.log_softmax(target_logits.float(), dim=-1)
+        log_pt = F.log_softmax(matched.float(), dim=-1)
         kl_k = (log_pt.exp() * (log_pt - log_pd)).sum(-1)  # (..., γ)
         kl = (weights * kl_k).sum() / denom
     conf = zero
-    # c* per position (logged as accept_rate; the confidence target); needs the L1 term, computed above if either
+    # c* per position (logged as accept_rate; the confidence target): acceptance by the target, whichever the L1
+    # term matches; needs the target's L1, computed above when either term asks for it
     accept = (1 - 0.5 * l1).clamp(0, 1).detach() if alpha_tv or confidence_logits is not None else None
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")

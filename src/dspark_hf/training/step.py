@@ -61,17 +61,27 @@ def vocab_shortlist(dataset, size: int, always: list[int] | None = None) -> torc
 class BlockPredictions:
     """Teacher-forced predictions for N blocks per sequence: draft_logits and target_logits (B, N, γ, V) (V' over
     a shortlist), confidence_logits (B, N, γ) or None, labels (B, N, γ) as indices into those logits (-1: outside
-    the shortlist), and the `BlockBatch` they belong to."""
+    the shortlist), the `BlockBatch` they belong to, and teacher_logits (B, N, γ, V): a drafter being distilled
+    (`distil_from`) on the same blocks, or None."""
 
     draft_logits: torch.Tensor
     target_logits: torch.Tensor
     confidence_logits: torch.Tensor | None
     labels: torch.Tensor
     blocks: BlockBatch
+    teacher_logits: torch.Tensor | None = None
 
 
 def block_predictions(
-    drafter, target, input_ids, loss_mask, num_anchors: int, generator=None, vocab_ids=None, features=None
+    drafter,
+    target,
+    input_ids,
+    loss_mask,
+    num_anchors: int,
+    generator=None,
+    vocab_ids=None,
+    features=None,
+    teacher=None,
 ) -> BlockPredictions:
     """Sample blocks, run the target (features, p_t) and the drafter (p_d, and confidence if it has a head) on them.
 
@@ -80,7 +90,8 @@ def block_predictions(
 
     vocab_ids (V',) sorted, or None for the full vocabulary (see `vocab_shortlist`). features: offline mode, the
     precomputed `target_features` of `input_ids` ((B, L, m·d), (B, L, d), e.g. from a `FeatureCache`); the target's
-    forward is then not run (its embedding and LM head still are).
+    forward is then not run (its embedding and LM head still are). teacher: a frozen drafter of the same block size
+    and target layers, run on the same blocks (`check_teacher`).
     """
     module = getattr(drafter, "module", drafter)  # unwrap DistributedDataParallel for the head methods
     config = module.config
@@ -95,12 +106,26 @@ def block_predictions(
         pos = blocks.label_positions.flatten(1)  # (B, N·γ)
         picked = torch.gather(last_hidden, 1, pos[..., None].expand(-1, -1, last_hidden.shape[-1]))
         target_logits = module.base_logits(picked, lm_head, vocab_ids).view_as(draft_logits)
+        teacher_logits = None
+        if teacher is not None:
+            teacher_logits = teacher.training_logits(features, input_ids, blocks, embed, lm_head, vocab_ids)[0]
     labels = blocks.labels
     if vocab_ids is not None:
         vocab_ids = vocab_ids.to(labels.device)
         index = torch.searchsorted(vocab_ids, labels).clamp(max=len(vocab_ids) - 1)
         labels = torch.where(vocab_ids[index] == labels, index, -1)
-    return BlockPredictions(draft_logits, target_logits, conf, labels, blocks)
+    return BlockPredictions(draft_logits, target_logits, conf, labels, blocks, teacher_logits)
+
+
+def check_teacher(teacher, drafter) -> None:
+    """A drafter can be distilled into `drafter` only if it drafts the same blocks from the same target features."""
+    student, other = getattr(drafter, "module", drafter).config, teacher.config
+    for name in ("block_size", "target_layer_ids"):
+        if getattr(other, name, None) != getattr(student, name, None):
+            raise ValueError(
+                f"`distil_from`: the teacher drafter's `{name}` is {getattr(other, name, None)!r}, the trained "
+                f"drafter's {getattr(student, name, None)!r}; distil only between drafters of the same {name}."
+            )
 
 
 def training_loss(
@@ -112,9 +137,18 @@ def training_loss(
     generator=None,
     vocab_ids=None,
     features=None,
+    teacher=None,
     **loss_kwargs,
 ):
-    """DSpark loss of one batch. input_ids, loss_mask (B, L); features as in `block_predictions`. Returns a
-    `DSparkLossOutput`."""
-    p = block_predictions(drafter, target, input_ids, loss_mask, num_anchors, generator, vocab_ids, features)
-    return dspark_loss(p.draft_logits, p.target_logits, p.labels, p.blocks.valid, p.confidence_logits, **loss_kwargs)
+    """DSpark loss of one batch. input_ids, loss_mask (B, L); features and teacher as in `block_predictions`.
+    Returns a `DSparkLossOutput`."""
+    p = block_predictions(drafter, target, input_ids, loss_mask, num_anchors, generator, vocab_ids, features, teacher)
+    return dspark_loss(
+        p.draft_logits,
+        p.target_logits,
+        p.labels,
+        p.blocks.valid,
+        p.confidence_logits,
+        teacher_logits=p.teacher_logits,
+        **loss_kwargs,
+    )

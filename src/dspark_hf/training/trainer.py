@@ -29,7 +29,7 @@ from ..models.modeling_dspark import DSparkDraftModel
 from .config import DSparkTrainingConfig
 from .dataset import TokenDataset
 from .features import FeatureCache
-from .step import freeze, special_token_ids, training_loss, vocab_shortlist
+from .step import check_teacher, freeze, special_token_ids, training_loss, vocab_shortlist
 
 
 logger = logging.get_logger(__name__)
@@ -40,6 +40,7 @@ RESUME_FIXED_KEYS = (
     "drafter_kind",
     "drafter_config",
     "init_drafter",
+    "distil_from",
     "target",
     "num_hidden_layers",
     "block_size",
@@ -297,6 +298,13 @@ class DSparkTrainer:
         self.features = None  # offline mode: the cached target features of `self.dataset`
         if config.features:
             self.features = FeatureCache.open(config.features, self.dataset, target, drafter.config.target_layer_ids)
+        self.teacher = None  # `distil_from`: the frozen drafter whose block distributions the loss matches
+        if config.distil_from:
+            self.teacher = AutoModel.from_pretrained(config.distil_from)
+            self.teacher.config.check_target(target.config)
+            check_teacher(self.teacher, drafter)
+            self.teacher = freeze(self.teacher).to(self.accelerator.device)
+            logger.info(f"Distilling the drafter in {config.distil_from}.")
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         self.total_steps = config.max_steps  # the schedule's length; `max_time` fits it to the measured speed
         self.drafter, self.optimizer = self.accelerator.prepare(drafter.train(), optimizer)
@@ -431,6 +439,7 @@ class DSparkTrainer:
             gen,
             vocab_ids,
             features,
+            self.teacher,
             decay=cfg.loss_decay,
             alpha_ce=cfg.alpha_ce,
             alpha_tv=cfg.alpha_tv,
