@@ -95,11 +95,46 @@ def test_cli_export_gguf(tmp_path):
     assert (tmp_path / "d.gguf").read_bytes() == b"GGUFbf16"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
+needs_converter = pytest.mark.skipif(
     not (LLAMACPP_SRC / "convert_hf_to_gguf.py").is_file() or not CONVERTER_PYTHON.exists(),
     reason=f"no llama.cpp tree and converter environment under {LLAMACPP}",
 )
+
+
+def gguf_fields(path) -> dict:
+    """The `dflash.*` keys, the mask token and the tensor shapes of a GGUF file, read with the tree's gguf-py."""
+    read = (
+        "import sys, json; from gguf import GGUFReader; r = GGUFReader(sys.argv[1]); "
+        "print(json.dumps({f.name: f.contents() for f in r.fields.values() if f.name.startswith('dflash.') "
+        "or f.name == 'tokenizer.ggml.mask_token_id'} | {'tensors': {t.name: [int(d) for d in t.shape] "
+        "for t in r.tensors}}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(LLAMACPP_SRC / "gguf-py")}
+    run = subprocess.run([str(CONVERTER_PYTHON), "-c", read, str(path)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+@pytest.mark.slow
+@needs_converter
+def test_llamacpp_converter_writes_the_context_window(tmp_path):
+    """A drafter's `context_window` reaches llama.cpp as the draft's sliding window, on every draft layer."""
+    from dspark_hf import DSparkConfig, DSparkDraftModel
+    from dspark_hf.default import load_default_target
+
+    target, tokenizer = load_default_target()
+    config = DSparkConfig.for_target(target.config, num_hidden_layers=2, block_size=4, markov_rank=16)
+    config.context_window = 6
+    drafter = DSparkDraftModel(config)
+    python = str(CONVERTER_PYTHON)
+    out = export_gguf(drafter, target, tokenizer, tmp_path / "w.gguf", LLAMACPP_SRC, "f32", python=python)
+    info = gguf_fields(out)
+    assert info["dflash.attention.sliding_window"] == 6
+    assert info["dflash.attention.sliding_window_pattern"] == [True, True]
+
+
+@pytest.mark.slow
+@needs_converter
 def test_llamacpp_converts_and_runs_the_drafter_losslessly(tmp_path):
     """llama.cpp's converter writes our target layers (+1: its layer-input numbering), block size and mask token; when
     the tools are built, llama.cpp + the drafter generates exactly llama.cpp's plain greedy text."""
@@ -114,18 +149,8 @@ def test_llamacpp_converts_and_runs_the_drafter_losslessly(tmp_path):
     out = export_gguf(
         drafter, target, tokenizer, tmp_path / "d.gguf", LLAMACPP_SRC, "f32", python=str(CONVERTER_PYTHON)
     )
-    read = (
-        "import sys, json; from gguf import GGUFReader; r = GGUFReader(sys.argv[1]); "
-        "print(json.dumps({f.name: f.contents() for f in r.fields.values() if f.name.startswith('dflash.') "
-        "or f.name == 'tokenizer.ggml.mask_token_id'} | {'tensors': {t.name: [int(d) for d in t.shape] "
-        "for t in r.tensors}}))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(LLAMACPP_SRC / "gguf-py")}
-    info = json.loads(
-        subprocess.run(
-            [str(CONVERTER_PYTHON), "-c", read, str(out)], env=env, capture_output=True, text=True, check=True
-        ).stdout
-    )
+    info = gguf_fields(out)
+    assert "dflash.attention.sliding_window" not in info
     assert info["dflash.target_layers"] == [i + 1 for i in drafter.config.target_layer_ids]
     assert info["dflash.block_size"] == 4 and info["tokenizer.ggml.mask_token_id"] == drafter.config.mask_token_id
     assert info["tensors"]["markov_w1.weight"] == [16, drafter.config.vocab_size]
