@@ -135,3 +135,13 @@ def first_divergence(plain: list[int], other: list[int], plain_logits: torch.Ten
     gap = best - float(row[other[index]])
     return {"index": index, "plain": plain[index], "other": other[index], "gap": gap, "tolerance": tolerance,
             "gap_ulps": gap / unit, "near_tie": gap <= tolerance}  # fmt: skip
+
+
+def tiny_qk(drafter):
+    """The drafter with its q/k projections scaled by 2^-20, as an exact QK-norm twin stores them (~1e-8:
+    `examples/make_exportable_drafter.py`), below float16's normal range."""
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.q_proj.weight.mul_(2.0**-20)
+            layer.self_attn.k_proj.weight.mul_(2.0**-20)
+    return drafter

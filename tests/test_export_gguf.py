@@ -12,7 +12,7 @@ import pytest
 
 from conftest import make_drafter, make_target
 from dspark_hf.integrations.gguf import export_gguf
-from helpers import char_tokenizer
+from helpers import char_tokenizer, tiny_qk
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +79,21 @@ def test_runs_the_converter_on_a_speculators_folder(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="converter exploded"):
         export_gguf(exportable(target), target, tokenizer, tmp_path / "x.gguf", fake_llamacpp(tmp_path, fail=True))
     assert not (tmp_path / "x.gguf").exists() and not list(tmp_path.glob(".x.gguf.tmp"))
+
+
+def test_outtype_follows_the_range_the_weights_need(tmp_path):
+    """auto writes f16, or bf16 for weights below float16's range, which f16 and q8_0 refuse (they would round the
+    twin's q/k projections to zero)."""
+    target, tokenizer = make_target(), char_tokenizer(99)
+    assert export_gguf(exportable(target), target, tokenizer, tmp_path / "a.gguf", fake_llamacpp(tmp_path / "a"))
+    assert (tmp_path / "a.gguf").read_bytes() == b"GGUFf16"
+    twin = tiny_qk(exportable(target))
+    export_gguf(twin, target, tokenizer, tmp_path / "b.gguf", fake_llamacpp(tmp_path / "b"))
+    assert (tmp_path / "b.gguf").read_bytes() == b"GGUFbf16"
+    for outtype in ("f16", "q8_0"):
+        with pytest.raises(ValueError, match=rf"--outtype {outtype} .*layers.0.self_attn.q_proj.weight.*bf16"):
+            export_gguf(twin, target, tokenizer, tmp_path / "c.gguf", fake_llamacpp(tmp_path / outtype), outtype)
+    assert not (tmp_path / "c.gguf").exists()
 
 
 def test_cli_export_gguf(tmp_path):

@@ -15,7 +15,8 @@ import torch
 
 from conftest import make_drafter, make_target
 from dspark_hf.decoding import core
-from helpers import first_divergence, pin_drafter
+from dspark_hf.kernels.weights import below_float16
+from helpers import first_divergence, pin_drafter, tiny_qk
 
 
 VOCAB, NEW = 211, 40
@@ -96,3 +97,18 @@ def test_near_tie_check_reads_the_gap_in_ulps():
     far = first_divergence([0, 0], [0, 1], logits, torch.bfloat16)
     assert far["index"] == 1 and far["gap_ulps"] == 32 and not far["near_tie"]
     assert first_divergence([0, 0], [0, 1], logits, tolerance=1.5)["near_tie"]  # a quantised target's own tolerance
+
+
+def test_weights_below_float16_range_are_refused_in_float16_and_kept_in_bfloat16():
+    """An exact QK-norm twin's q/k projections (~1e-8) vanish in float16: generate() says so instead of drafting
+    noise; in bfloat16 they keep their precision and the output is plain greedy's, as always."""
+    target = make_target()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    plain = target.generate(ids, do_sample=False, max_new_tokens=10)
+    assert below_float16(make_drafter(target)) == []  # negative control: ordinary weights
+    halved = tiny_qk(make_drafter(target)).to(torch.float16)
+    with pytest.raises(ValueError, match=r"float16.*layers.0.self_attn.q_proj.weight.*bfloat16"):
+        target.generate(ids, do_sample=False, max_new_tokens=10, assistant_model=halved)
+    twin = tiny_qk(make_drafter(target)).to(torch.bfloat16)
+    assert below_float16(twin)[:2] == ["layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight"]
+    assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=10, assistant_model=twin), plain)

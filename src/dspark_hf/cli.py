@@ -1012,7 +1012,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--verifier", help="speculators: the target's Hub id or path recorded for vLLM (default: the drafter's target)"
     )
     export.add_argument("--llamacpp", help="gguf: llama.cpp source folder (its converter runs; default $LLAMACPP_DIR)")
-    export.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"], help="gguf: tensor type")
+    export.add_argument(
+        "--outtype",
+        default="auto",
+        choices=["auto", "f32", "f16", "bf16", "q8_0"],
+        help="gguf: tensor type (auto: f16, or bf16 when weights lie below float16's range)",
+    )
     export.add_argument("--converter-python", help="gguf: Python with llama.cpp's converter requirements")
     export.set_defaults(func=cmd_export)
     parser.commands = dict(sub.choices)

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
 from .kernels.packed_linear import inference_dtype
+from .kernels.weights import below_float16
 from .models.configuration_dspark import DSparkConfig
 from .models.modeling_dspark import DSparkDraftModel
 
@@ -62,17 +63,21 @@ def load_default(
     drafter_dtype: torch.dtype | None = None,
 ):
     """`(target, tokenizer, drafter)` for the embedded default: the target in `dtype`, the drafter in `drafter_dtype`
-    (default: `packed_linear.inference_dtype`, bf16 on a CPU that computes it natively, else `dtype`).
+    (default: `packed_linear.inference_dtype`, bf16 on a CPU that computes it natively, else `dtype`; bfloat16 instead
+    of a float16 default when weights of the drafter lie below float16's range, `kernels.weights.below_float16`).
 
     The drafter is `drafter_path`, else the checkpoint shipped in `dspark_hf/default_drafter/`, else (until a trained
     one ships) a clearly labelled untrained drafter (`drafter.is_untrained` is True, and a warning says so).
     """
     target, tokenizer = load_default_target(dtype)
-    drafter_dtype = drafter_dtype or inference_dtype("cpu", dtype)
+    chosen, drafter_dtype = drafter_dtype, drafter_dtype or inference_dtype("cpu", dtype)
     path = Path(drafter_path) if drafter_path is not None else DEFAULT_DRAFTER_DIR
     if (path / "config.json").is_file():
-        drafter = DSparkDraftModel.from_pretrained(path, dtype=drafter_dtype).eval()
+        drafter = DSparkDraftModel.from_pretrained(path).eval()  # as stored, then cast below
         drafter.is_untrained = False
+        if drafter_dtype == torch.float16 and chosen is None and below_float16(drafter):
+            logger.info("The drafter's weights need more range than float16 has: running it in bfloat16.")
+            drafter_dtype = torch.bfloat16
     elif drafter_path is not None:
         raise FileNotFoundError(f"No DSpark checkpoint (config.json) at {path}.")
     else:

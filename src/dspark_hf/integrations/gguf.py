@@ -33,6 +33,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from ..kernels.weights import below_float16
 from ..models.modeling_dspark import DSparkDraftModel
 from .export import check_exportable
 from .speculators import export_speculators
@@ -41,7 +42,8 @@ from .speculators import export_speculators
 logger = logging.get_logger(__name__)
 
 ENGINE = "llama.cpp (GGUF)"
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+_FLOAT16_BASED = ("f16", "q8_0")  # q8_0 stores a float16 scale per block of 32 values
 
 
 def gguf_blockers(drafter: DSparkDraftModel) -> list[tuple[str, str]]:
@@ -86,14 +88,16 @@ def export_gguf(
     tokenizer,
     out_file: str | os.PathLike,
     llamacpp_dir: str | os.PathLike | None = None,
-    outtype: str = "f16",
+    outtype: str = "auto",
     overwrite: bool = False,
     python: str | None = None,
 ) -> Path:
     """Write `drafter` as a llama.cpp GGUF draft model at `out_file` through llama.cpp's converter.
 
     `tokenizer` is the target's (the GGUF carries the vocabulary llama.cpp compares with the target's). `outtype` is
-    the converter's (f32, f16, bf16, q8_0). `python` runs the converter (default: this interpreter); it needs
+    the converter's (f32, f16, bf16, q8_0), or "auto": f16, or bf16 when weights of the drafter lie below float16's
+    range (`kernels.weights.below_float16`, e.g. an exact QK-norm twin's q/k projections), which f16 and q8_0 refuse.
+    `python` runs the converter (default: this interpreter); it needs
     llama.cpp's converter requirements (`requirements/requirements-convert_hf_to_gguf.txt`: torch, numpy,
     sentencepiece, transformers), e.g. a separate environment. `ValueError` names what llama.cpp cannot carry;
     `RuntimeError` carries the converter's output when it fails. The file is written under a temporary name and
@@ -110,6 +114,15 @@ def export_gguf(
             + "; ".join(f"`{field}`: {reason}" for field, reason in blockers)
             + ". Export it with --format speculators or deepspec instead, or train a drafter with "
             "sequential_head='markov' (and confidence_with_markov=True)."
+        )
+    tiny = below_float16(drafter)
+    if outtype == "auto":
+        outtype = "bf16" if tiny else "f16"
+    elif outtype in _FLOAT16_BASED and tiny:
+        raise ValueError(
+            f"--outtype {outtype} cannot hold this drafter: its weights {', '.join(tiny[:4])} lie below float16's "
+            "normal range (e.g. the q/k projections of an exact QK-norm twin, ~1e-8) and would round to zero. Use "
+            "--outtype bf16 or f32 (or auto)."
         )
     script = find_converter(llamacpp_dir)
     if getattr(drafter.config, "context_window", None) is not None:

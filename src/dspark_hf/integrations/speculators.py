@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import save_file
 from transformers.utils import logging
 
+from ..kernels.weights import below_float16
 from ..models.modeling_dspark import DSparkDraftModel
 from .export import check_exportable, write_folder, write_json
 
@@ -184,6 +185,13 @@ def export_speculators(
         logger.warning(
             f"Exporting a {drafter.config.sequential_head!r} sequential head: speculators loads it, but check that "
             "your vLLM version runs it (vLLM's DSpark drafter long implemented only the vanilla Markov head)."
+        )
+    tiny = below_float16(drafter)
+    if tiny:
+        logger.warning(
+            f"Weights of this drafter ({', '.join(tiny[:4])}) lie below float16's range (an exact QK-norm twin's q/k "
+            "projections): serve it in bfloat16 or float32 (vLLM: --dtype bfloat16); in float16 they vanish and it "
+            "drafts noise."
         )
     config = speculators_config_dict(drafter, target, verifier)
     if not config["speculators_config"]["verifier"]["name_or_path"]:
