@@ -5,11 +5,12 @@ take a quick profile instead; a recalibration that forgets the config would ship
 """
 
 import json
+import re
 
 import pytest
 from safetensors import safe_open
 
-from dspark_hf import DSparkConfig
+from dspark_hf import DSparkConfig, DSparkDraftModel
 from dspark_hf.decoding.profiling import load_profile, sps_table
 from dspark_hf.default import DEFAULT_DRAFTER_DIR
 from dspark_hf.kernels import verify_head
@@ -56,4 +57,17 @@ def test_calibration_report_matches_the_config():
 def test_model_card_reports_measured_results():
     card = (DEFAULT_DRAFTER_DIR / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: dspark-hf")
-    assert "| mt-bench | 4 |" in card and "## Calibration (STS)" in card and "Profiled on cpu (float32)" in card
+    assert re.search(r"\| mt-bench \| \d+ \| [\d.]+ \| [\d.]+x \|", card)  # a measured row: prompts, τ, speedup
+    assert "## Calibration (STS)" in card and "Profiled on cpu (float32)" in card
+
+
+def test_the_shipped_drafter_exports_to_vllm_and_llamacpp():
+    """Issue 35: the default goes to the engines as it is (QK-norm, a vocabulary mask token, the window carried as a
+    sliding window); its tiny q/k weights keep it out of float16."""
+    from dspark_hf.integrations.export import export_blockers
+    from dspark_hf.kernels.weights import below_float16
+
+    assert CONFIG.use_qk_norm and CONFIG.mask_token_id is not None and CONFIG.context_window is not None
+    assert export_blockers(CONFIG) == []
+    drafter = DSparkDraftModel.from_pretrained(DEFAULT_DRAFTER_DIR)
+    assert any("q_proj" in name for name in below_float16(drafter))
