@@ -297,7 +297,7 @@ ARGPARSE_CASES = {
     "features --batch-size abc": "argument --batch-size: invalid int value: 'abc'",
     "data --out x --num-prompts abc": "argument --num-prompts: invalid int value: 'abc'",
     "export --format onnx --drafter d --out x": "argument --format: invalid choice: 'onnx'",
-    "export --out x": "the following arguments are required: --drafter",
+    "export --format gguf": "the following arguments are required: --out",
     "bench --no-such-option": "unrecognized arguments: --no-such-option",
     "frobnicate": "argument command: invalid choice: 'frobnicate'",
     "": "the following arguments are required: command",

@@ -71,3 +71,15 @@ def test_the_shipped_drafter_exports_to_vllm_and_llamacpp():
     assert export_blockers(CONFIG) == []
     drafter = DSparkDraftModel.from_pretrained(DEFAULT_DRAFTER_DIR)
     assert any("q_proj" in name for name in below_float16(drafter))
+
+
+def test_export_without_a_drafter_writes_the_shipped_one(tmp_path):
+    """`dspark-hf export` reads the shipped default when no --drafter is given; its window becomes sliding layers."""
+    from dspark_hf.cli import main
+
+    assert main(["export", "--format", "speculators", "--out", str(tmp_path / "spec")]) == 0
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    layers = config["transformer_layer_config"]
+    assert config["mask_token_id"] == CONFIG.mask_token_id and config["sliding_window_non_causal"]
+    assert layers["use_sliding_window"] and layers["sliding_window"] == CONFIG.context_window
+    assert layers["layer_types"] == ["sliding_attention"] * CONFIG.num_hidden_layers

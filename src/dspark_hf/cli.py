@@ -587,8 +587,10 @@ def cmd_data(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from .default import DEFAULT_DRAFTER_DIR
     from .models.modeling_dspark import DSparkDraftModel
 
+    args.drafter = args.drafter or str(DEFAULT_DRAFTER_DIR)
     _check_model_path(args.drafter, "--drafter", drafter=True)
     _check_model_path(args.target, "--target")
     _check_out_folder(args.out, "--out", args.overwrite)
@@ -1004,7 +1006,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a drafter in another format (DeepSpec for SGLang, speculators for vLLM, GGUF for llama.cpp)",
     )
     export.add_argument("--format", choices=["deepspec", "speculators", "gguf"], default="deepspec")
-    export.add_argument("--drafter", required=True, help="DSpark drafter checkpoint to export")
+    export.add_argument("--drafter", help="DSpark drafter checkpoint to export (default: the shipped default drafter)")
     export.add_argument("--target", help="its target (path or Hub id; default: embedded SmolLM2-135M-Instruct)")
     export.add_argument("--out", required=True, help="output folder, empty or absent (gguf: the .gguf file)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
