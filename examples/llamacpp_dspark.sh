@@ -31,8 +31,12 @@ fi
 # 2. the two tools the check needs (CPU only). Not GGML_NATIVE: on a CPU that reports AMX but whose OS or sandbox
 # does not grant the AMX tile state, the native build dies with "Illegal instruction" in tinygemm_kernel_amx
 # (seen here on a Xeon with amx_int8 in /proc/cpuinfo); AVX-512 without AMX runs.
+# The AVX-512 extensions are switched on only where /proc/cpuinfo lists them (an AMD EPYC without avx512_vbmi and
+# avx_vnni died with SIGILL in llama-completion when they were on).
+has() { grep -qw "$1" /proc/cpuinfo 2>/dev/null && echo ON || echo OFF; }
 CPU_FLAGS=${CPU_FLAGS:-"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-    -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+    -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512_vbmi) -DGGML_AVX512_VNNI=$(has avx512_vnni) \
+    -DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AVX_VNNI=$(has avx_vnni) \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"}
 # Not llamafile's sgemm (GGML_LLAMAFILE=OFF): it serves matmuls of 2+ tokens only, so a token's logits would depend on
 # how many tokens share its batch and speculative output could drift from plain greedy (docs/engines.md, "Identical
