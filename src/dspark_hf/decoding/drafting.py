@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..kernels.packed_linear import pack_linears
-from ..kernels.weights import below_float16, model_device, module_device, out_features
+from ..kernels.weights import below_float16, below_float16_text, model_device, module_device, out_features
 from ..models.configuration_dspark import EARLY_DRAFT_POSITIONS
 from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
@@ -59,10 +59,8 @@ class _Generator:
     def __init__(self, drafter, target):
         if drafter.dtype == torch.float16 and (tiny := below_float16(drafter)):
             raise ValueError(
-                f"The drafter runs in float16, but its weights {', '.join(tiny[:4])}"
-                f"{' ...' if len(tiny) > 4 else ''} lie below float16's normal range (e.g. the q/k projections of an "
-                "exact QK-norm twin, ~1e-8), so they have lost their precision and it would draft noise. Load it in "
-                "bfloat16 or float32 instead (from_pretrained(..., dtype=torch.bfloat16))."
+                f"The drafter runs in float16, but {below_float16_text(tiny)}. Load it in bfloat16 or float32 "
+                "instead (from_pretrained(..., dtype=torch.bfloat16))."
             )
         self.drafter, self.config = drafter, drafter.config
         self.block_size = self.config.block_size

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..kernels.weights import below_float16
+from ..kernels.weights import below_float16, below_float16_text
 from ..models.modeling_dspark import DSparkDraftModel
 from .export import check_exportable
 from .speculators import export_speculators
@@ -120,9 +120,8 @@ def export_gguf(
         outtype = "bf16" if tiny else "f16"
     elif outtype in _FLOAT16_BASED and tiny:
         raise ValueError(
-            f"--outtype {outtype} cannot hold this drafter: its weights {', '.join(tiny[:4])} lie below float16's "
-            "normal range (e.g. the q/k projections of an exact QK-norm twin, ~1e-8) and would round to zero. Use "
-            "--outtype bf16 or f32 (or auto)."
+            f"--outtype {outtype} cannot hold this drafter: {below_float16_text(tiny)}. Use --outtype bf16 or f32 "
+            "(or auto)."
         )
     script = find_converter(llamacpp_dir)
     if getattr(drafter.config, "context_window", None) is not None:

@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import save_file
 from transformers.utils import logging
 
-from ..kernels.weights import below_float16
+from ..kernels.weights import below_float16, below_float16_text
 from ..models.modeling_dspark import DSparkDraftModel
 from .export import check_exportable, write_folder, write_json
 
@@ -189,9 +189,7 @@ def export_speculators(
     tiny = below_float16(drafter)
     if tiny:
         logger.warning(
-            f"Weights of this drafter ({', '.join(tiny[:4])}) lie below float16's range (an exact QK-norm twin's q/k "
-            "projections): serve it in bfloat16 or float32 (vLLM: --dtype bfloat16); in float16 they vanish and it "
-            "drafts noise."
+            f"Serve this drafter in bfloat16 or float32 (vLLM: --dtype bfloat16): {below_float16_text(tiny)}."
         )
     config = speculators_config_dict(drafter, target, verifier)
     if not config["speculators_config"]["verifier"]["name_or_path"]:

@@ -251,6 +251,15 @@ def below_float16(model: nn.Module) -> list[str]:
     return names
 
 
+def below_float16_text(names: list[str]) -> str:
+    """The shared part of every message about `below_float16`'s `names` (the callers add what to do instead)."""
+    shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+    return (
+        f"weights of this drafter ({shown}) lie below float16's normal range (e.g. the q/k projections of an exact "
+        "QK-norm twin, ~1e-8), so float16 rounds them away and it would draft noise"
+    )
+
+
 @functools.cache
 def _per_token_class(cls: type) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
