@@ -3,6 +3,7 @@ source, a round's time split into draft / verify / bookkeeping, the decoding pha
 the plot."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -11,7 +12,13 @@ from conftest import make_drafter, make_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
 from dspark_hf.decoding.stats import record_draft_rounds
-from dspark_hf.evaluation.harness import round_breakdown, run_evaluation
+from dspark_hf.evaluation.harness import (
+    FirstTokenClock,
+    RoundLog,
+    _decode_phase_entry,
+    round_breakdown,
+    run_evaluation,
+)
 from dspark_hf.evaluation.long_context import (
     INTROS,
     QUESTIONS,
@@ -100,6 +107,7 @@ def test_decoding_phase_and_table():
     for run in result["runs"]:
         assert run["prefill_seconds"] > 0 and run["plain_step_ms"] > 0 and run["decode_speedup"] > 0
         assert run["prefill_seconds"] < run["seconds"] / run["num_prompts"]
+        assert 0 < run["plain_prefill_seconds"] < run["seconds"] / run["num_prompts"] * run["speedup"]
     rows = context_rows(result)
     assert [r["dataset"] for r in rows] == ["ctx-300", "ctx-600"] and rows[0]["prompt_tokens"] <= 300
     assert rows[1]["verify_vs_plain"] == pytest.approx(rows[1]["verify_ms"] / rows[1]["plain_step_ms"])
@@ -261,3 +269,25 @@ def test_training_config_sets_the_window(target, tmp_path):
         build_drafter(DSparkTrainingConfig(drafter_kind="eagle3", context_window=4), target)
     with pytest.raises(ValueError, match="context_window"):
         DSparkTrainingConfig(context_window=0)
+
+
+def test_each_run_is_charged_its_own_prefill():
+    """The decoding phase subtracts the plain run's own prefill (to its first new token), not the drafted run's."""
+    target = make_target()
+    clock = FirstTokenClock()
+    start = time.perf_counter()
+    target.generate(torch.randint(0, 99, (1, 9)), max_new_tokens=5, do_sample=False, streamer=clock)
+    assert clock.puts == 6 and start < clock.first < time.perf_counter()  # the prompt, then 5 tokens
+
+    def log(prefill):
+        rounds = RoundLog()
+        rounds.prefill_seconds = prefill
+        return rounds
+
+    tokens = torch.arange(5)
+    drafted = [(tokens, 3.0, None, log(1.0))]  # 4 tokens after the first in 2 s
+    entry = _decode_phase_entry(drafted, [(tokens, 6.0, None, log(2.0))])  # ... in 4 s plain
+    assert entry["decode_speedup"] == pytest.approx(2.0) and entry["plain_prefill_seconds"] == 2.0
+    assert entry["plain_step_ms"] == pytest.approx(1000.0)
+    fallback = _decode_phase_entry(drafted, [(tokens, 6.0, None, log(None))])  # charged the drafted run's 1 s
+    assert fallback["decode_speedup"] == pytest.approx(2.5) and fallback["plain_prefill_seconds"] == 1.0

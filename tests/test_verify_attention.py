@@ -86,14 +86,27 @@ def record_sdpa(monkeypatch, ways=None) -> list[bool]:
             ways.append("gqa" if gqa else "packed")
         return original(query, key, value, *args, **kwargs)
 
+    matmul_attention = verify_attention._matmul_attention
+
+    def by_matmul(query, key, *args):  # two matrix products per key/value head, on the unrepeated cache
+        calls.append(key.shape[1] == KV_HEADS)
+        if ways is not None:
+            ways.append("matmul")
+        return matmul_attention(query, key, *args)
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(verify_attention, "_matmul_attention", by_matmul)
     return calls
 
 
-@pytest.mark.parametrize("q, way", [(2, "packed"), (4, "packed"), (5, "gqa")])  # 3 query heads per key/value head
+@pytest.mark.parametrize(  # 3 query heads per key/value head
+    "q, matmul_rows, way",
+    [(2, 0, "packed"), (4, 0, "packed"), (5, 0, "gqa"), (2, 24, "matmul"), (5, 24, "matmul"), (9, 24, "gqa")],
+)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
 @pytest.mark.parametrize("mask_batch", [2, 1])  # a mask per sequence, or one broadcast over the batch
-def test_same_values_as_sdpa_with_repeated_keys(monkeypatch, q, way, mask_dtype, mask_batch):
+def test_same_values_as_sdpa_with_repeated_keys(monkeypatch, q, matmul_rows, way, mask_dtype, mask_batch):
+    monkeypatch.setattr(verify_attention, "MATMUL_ROWS", matmul_rows)
     ways = []
     calls = record_sdpa(monkeypatch, ways=ways)
     module = Attention(groups=3)
@@ -126,7 +139,29 @@ def test_one_query_is_packed_with_or_without_a_mask(monkeypatch, masked):
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["a query sees no key", "scores over budget", "bfloat16"])
+def test_matrix_products_only_where_they_are_safe(monkeypatch, case):
+    """A query that sees no key (softmax would give NaN), scores beyond `MATMUL_SCORES_BYTES` and half precision
+    (no float32 accumulation in the products) go to SDPA as before."""
+    ways = []
+    record_sdpa(monkeypatch, ways=ways)
+    query, key, value = qkv(q=3)
+    mask = causal_mask(2, 3, 11)
+    verify_sdpa_attention_forward(Attention(groups=3), query, key, value, mask, scaling=0.3)
+    assert ways == ["matmul"]  # negative control: the same shapes in float32, every query seeing the cache
+    ways.clear()
+    if case == "a query sees no key":
+        mask[1, 0, 1] = False
+    if case == "scores over budget":
+        monkeypatch.setattr(verify_attention, "MATMUL_SCORES_BYTES", 2 * 2 * 9 * 11 * 4 - 1)  # one byte short
+    if case == "bfloat16":
+        query, key, value = query.bfloat16(), key.bfloat16(), value.bfloat16()
+    verify_sdpa_attention_forward(Attention(groups=3), query, key, value, mask, scaling=0.3)
+    assert ways == ["packed"]
+
+
 def test_not_packed_where_threads_would_idle(monkeypatch):
+    monkeypatch.setattr(verify_attention, "MATMUL_ROWS", 0)
     ways = []
     record_sdpa(monkeypatch, ways=ways)
     query, key, value = qkv(batch=1, q=2)  # 2 key/value heads: 2 packed products
@@ -239,9 +274,10 @@ def test_verify_logits_unchanged(monkeypatch, family):
     "family, dtype",
     [("llama", torch.float32), ("qwen3", torch.float32), ("mistral", torch.float32), ("gemma3", torch.bfloat16)],
 )
-@pytest.mark.parametrize("packed_rows", [12, 0])  # a verify of 5 queries packs 2 query heads per key/value head
-def test_generate_identical_with_gqa_verifies(monkeypatch, family, dtype, packed_rows):
+@pytest.mark.parametrize("packed_rows, matmul_rows", [(12, 0), (0, 0), (12, 24)])  # 2 query heads per key/value head
+def test_generate_identical_with_gqa_verifies(monkeypatch, family, dtype, packed_rows, matmul_rows):
     monkeypatch.setattr(verify_attention, "PACKED_ROWS", packed_rows)
+    monkeypatch.setattr(verify_attention, "MATMUL_ROWS", matmul_rows)
     target = sdpa_target(family).to(dtype)
     drafter = make_drafter(target, verify_policy="fixed").to(dtype)
     ids = torch.randint(0, 99, (1, 9))  # longer than the sliding windows
@@ -252,7 +288,10 @@ def test_generate_identical_with_gqa_verifies(monkeypatch, family, dtype, packed
     assert torch.equal(out, plain)
     assert calls.count(True) >= 4 * 2  # every layer of at least two verify passes
     # (a sliding window gives single-query steps a mask too, which transformers' sdpa packs itself)
-    assert ("gqa" not in ways and "packed" in ways) if packed_rows else ("gqa" in ways)
+    if matmul_rows and dtype == torch.float32:  # half precision keeps SDPA
+        assert "matmul" in ways and "gqa" not in ways
+    else:
+        assert ("gqa" not in ways and "packed" in ways) if packed_rows else ("gqa" in ways)
     assert target.config._attn_implementation == "sdpa"
 
 

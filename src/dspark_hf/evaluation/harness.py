@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
 from ..decoding.drafting import is_drafter
@@ -70,9 +71,26 @@ def stats_from_rounds(rounds) -> DSparkGenerationStats:
 
 class RoundLog(list):
     """The `DraftRound`s of one generate(), and `prefill_seconds`: from the call to the first round's start (the
-    prompt's prefill and setup), where this package's decoder logged verify timings; else None."""
+    prompt's prefill and setup), where this package's decoder logged verify timings, or to the first new token of a
+    plain run (`FirstTokenClock`); else None."""
 
     prefill_seconds: float | None = None
+
+
+class FirstTokenClock(BaseStreamer):
+    """A streamer that notes when generate() hands over its first new token (`first`, `time.perf_counter()`): the
+    end of a plain run's prefill. generate() puts the prompt first, then each new token."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False):
@@ -84,9 +102,11 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     if hasattr(assistant, "generation_stats"):
         assistant.generation_stats = None  # never read the previous call's
     steps = verify_linears.measured_steps(target) if padded else contextlib.nullcontext()
+    clock = FirstTokenClock() if assistant is None else None  # a plain run's own prefill, for the decoding phase
+    settings = generation_kwargs(temperature) | ({"streamer": clock} if clock is not None else {})
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
         called = time.perf_counter()
-        out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **generation_kwargs(temperature))
+        out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **settings)
     if own:  # one of transformers' assistants: its last round's acceptance shows only in the output's length
         own[-1].accepted = max(0, min(own[-1].proposed, ids.shape[1] + out.numel() - own.input_lengths[-1] - 1))
         rounds = own
@@ -98,6 +118,8 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     log = RoundLog(rounds)
     if log and log[0].verify_seconds is not None:
         log.prefill_seconds = log[0].start - called
+    elif clock is not None and clock.first is not None:
+        log.prefill_seconds = clock.first - called
     return out.cpu(), seconds, stats, log
 
 
@@ -269,17 +291,23 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
 
 def _decode_phase_entry(decoded, plain) -> dict:
     """The decoding phase without the prompt's prefill, which costs the same with and without a drafter (long prompts
-    spend most of a short generate() there): the plain step's mean ms and the speedup over plain decoding. Each
-    prompt's prefill is the drafted run's (`RoundLog.prefill_seconds`; its one target forward is plain decoding's
-    prefill with the hidden states kept), so the plain run is charged the same. Empty where it was not logged."""
+    spend most of a short generate() there): the plain step's mean ms and the speedup over plain decoding. Each run
+    is charged its own prefill (`RoundLog.prefill_seconds`: to the drafted run's first round, to the plain run's first
+    new token), so that the prefill's run-to-run spread (seconds at 8k tokens) stays out of the ratio; a plain run
+    without one is charged the drafted run's. Empty where the drafted run's was not logged."""
     prefills = [d[3].prefill_seconds if isinstance(d[3], RoundLog) else None for d in decoded]
     if not prefills or None in prefills:
         return {}
-    plain_tokens, plain_seconds = _decode_phase(plain, prefills)
+    plain_prefills = [
+        p[3].prefill_seconds if isinstance(p[3], RoundLog) and p[3].prefill_seconds is not None else own
+        for p, own in zip(plain, prefills)
+    ]
+    plain_tokens, plain_seconds = _decode_phase(plain, plain_prefills)
     tokens, seconds = _decode_phase(decoded, prefills)
     plain_tps, tps = _rate(plain_tokens, plain_seconds), _rate(tokens, seconds)
     return {
         "prefill_seconds": statistics.fmean(prefills),
+        "plain_prefill_seconds": statistics.fmean(plain_prefills),
         "plain_step_ms": 1e3 * plain_seconds / plain_tokens if plain_tokens else None,
         "decode_speedup": tps / plain_tps if plain_tps else None,
     }

@@ -213,10 +213,12 @@ def _pooled(runs: list[dict]) -> dict:
         } | {"rounds": count, "drafted": sum(s["drafted"] for s in splits)}
     if all(r.get("prefill_seconds") is not None for r in runs):
         prefill = sum(r["prefill_seconds"] * r["num_prompts"] for r in runs)
+        plain_prefill = sum(r.get("plain_prefill_seconds", r["prefill_seconds"]) * r["num_prompts"] for r in runs)
         decode_tokens = tokens - len(prompts)
         merged["prefill_seconds"] = prefill / len(prompts)
-        merged["plain_step_ms"] = 1e3 * (plain_seconds - prefill) / decode_tokens
-        merged["decode_speedup"] = (plain_seconds - prefill) / (seconds - prefill)
+        merged["plain_prefill_seconds"] = plain_prefill / len(prompts)
+        merged["plain_step_ms"] = 1e3 * (plain_seconds - plain_prefill) / decode_tokens
+        merged["decode_speedup"] = (plain_seconds - plain_prefill) / (seconds - prefill)
     return merged
 
 

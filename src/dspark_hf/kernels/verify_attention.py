@@ -35,6 +35,10 @@ ATTN_IMPLEMENTATION = "dspark_verify_sdpa"
 # cache 1.1-1.5x faster, and 5-8 queries 0.9-1.0x (docs/history.md, "Packed query heads"). Where fewer products
 # (sequences x key/value heads) than threads would run, it is not packed.
 PACKED_ROWS = 12
+# 2 or more queries over a masked cache, up to this many packed rows, take two matrix products per key/value head
+# instead (`_matmul_attention`; 0 turns it off), where the scores fit in MATMUL_SCORES_BYTES
+MATMUL_ROWS = 24
+MATMUL_SCORES_BYTES = 8 << 20
 
 
 def verify_sdpa_attention_forward(
@@ -72,7 +76,10 @@ def verify_sdpa_attention_forward(
     sdpa = torch.nn.functional.scaled_dot_product_attention
     # Deviations from sdpa_attention_forward: no repeat_kv (with a mask, is_causal is False there too), and ...
     packed_products = batch * key.shape[1]  # SDPA runs one product per sequence and head, each on one thread
-    if (
+    if masked and q > 1 and _by_matmul(query, key, attention_mask, n_rep):
+        # ... a few queries over a masked cache: the packed rows' scores as one matrix product per key/value head
+        output = _matmul_attention(query, key, value, attention_mask, n_rep, scaling)
+    elif (
         q * n_rep <= PACKED_ROWS
         and (not masked or attention_mask.shape[1] == 1)
         and packed_products >= torch.get_num_threads()
@@ -89,6 +96,59 @@ def verify_sdpa_attention_forward(
         # ... more: SDPA's grouped-query attention
         output = sdpa(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _by_matmul(query, key, mask, n_rep: int) -> bool:
+    """Whether `_matmul_attention` takes this product: float32, at most `MATMUL_ROWS` packed rows, scores within
+    `MATMUL_SCORES_BYTES`, a mask broadcast over the heads (one row per query) in which every query sees a key."""
+    batch, heads, q, _ = query.shape
+    rows, length = n_rep * q, key.shape[2]
+    return (
+        MATMUL_ROWS > 0
+        and rows <= MATMUL_ROWS
+        and mask.shape[1] == 1
+        and batch * (heads // n_rep) * rows * length * query.element_size() <= MATMUL_SCORES_BYTES
+        and query.dtype == key.dtype == torch.float32  # half precision keeps SDPA's float32 accumulation
+        and _bias(mask, n_rep, query.dtype) is not None
+    )
+
+
+def _matmul_attention(query, key, value, mask, n_rep: int, scaling: float | None) -> torch.Tensor:
+    """Attention of a few queries as two matrix products per key/value head, its query heads packed into the rows:
+    scores (B, H_kv, n_rep q, L) = Q K^T, the mask added, softmax in place, times V -> (B, H, q, d).
+
+    SDPA's fused CPU kernel walks the cache in blocks per query head (or per packed product), which for 2-8 queries
+    over a few thousand keys runs well below the memory bandwidth; BLAS streams each key and value once per key/value
+    head (docs/long_context.md, "Attention as two products")."""
+    batch, heads, q, dim = query.shape
+    packed = query.reshape(batch, heads // n_rep, n_rep * q, dim)
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = torch.matmul(packed, key.transpose(-1, -2))  # (B, H_kv, n_rep q, L)
+    scores.mul_(scale).add_(_bias(mask, n_rep, query.dtype))
+    probabilities = torch.softmax(scores, dim=-1)
+    return torch.matmul(probabilities, value).reshape(batch, heads, q, dim)
+
+
+_last_bias: tuple | None = None  # (weak reference to a mask, its version, n_rep, dtype, its additive bias or None)
+
+
+def _bias(mask: torch.Tensor, n_rep: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask (B or 1, 1, q, L), bool or additive, as an additive bias of `dtype` with rows repeated for the packed
+    heads, (B or 1, 1, n_rep q, L); None where a query sees no key (softmax would give NaN, SDPA decides those).
+    Made once per forward: every layer gets the same mask tensor."""
+    global _last_bias
+    last = _last_bias
+    if last is not None and last[0]() is mask and last[1:4] == (mask._version, n_rep, dtype):
+        return last[4]
+    if mask.dtype == torch.bool:
+        sees = mask.any(dim=-1).all()
+        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    else:
+        bias = mask.to(dtype)
+        sees = (bias > torch.finfo(dtype).min).any(dim=-1).all()
+    bias = bias.repeat(1, 1, n_rep, 1) if bool(sees) else None
+    _last_bias = (weakref.ref(mask), mask._version, n_rep, dtype, bias)
+    return bias
 
 
 _last_mask: tuple | None = None  # (weak reference to a mask, its version, n_rep, its repeat): the last one made
