@@ -3,6 +3,7 @@
     python examples/time_long_context_cost.py prefill --length 8k [--repeats 2] [--json out.json]
     python examples/time_long_context_cost.py steps --length 8k [--repeats 7] [--json out.json]
     python examples/time_long_context_cost.py generate --length 8k [--new-tokens 64] [--json out.json]
+    python examples/time_long_context_cost.py attention --length 8k [--repeats 9] [--json out.json]
 
 `prefill`: one `generate()` of a single new token on the long-context prompt of that length (prompt 0 of
 `evaluation.long_context`), plain (transformers alone) and with the shipped drafter, the drafter's run once as it was
@@ -19,6 +20,9 @@ verify under `torch.profiler`, and whether the two caches' logits are bit-identi
 
 `generate`: whole `generate()` calls of `--new-tokens` and of 1 token, plain and with the drafter (old and new code
 path), and the decoding phase as their difference; whether every output is identical to plain greedy.
+
+`attention`: every layer's verify attention over the prompt's cache for 1-8 queries, through SDPA and through two
+matrix products per key/value head (`verify_attention._matmul_attention`), and a 6-token verify's logits both ways.
 
 Target: the embedded SmolLM2-135M-Instruct (float32); 2 threads. Prints the CPU model.
 """
@@ -37,6 +41,7 @@ from dspark_hf import load_default
 from dspark_hf.decoding import core, ragged_cache
 from dspark_hf.decoding.profiling import cpu_model
 from dspark_hf.evaluation.long_context import long_context_prompt, parse_context_lengths
+from dspark_hf.kernels import verify_attention
 from dspark_hf.kernels.verify_attention import routed
 from dspark_hf.utils.prompts import encode
 
@@ -195,9 +200,59 @@ def part_steps(args, target, tokenizer, drafter) -> dict:
     }
 
 
+@torch.no_grad()
+def part_attention(args, target, tokenizer, drafter) -> dict:
+    """Every layer's verify attention over the prompt's real cache, for 1-8 queries, through SDPA (`MATMUL_ROWS = 0`:
+    packed or GQA, as before) and through two matrix products per key/value head (`_matmul_attention`), visited
+    round-robin, median of `--repeats` (ms for all layers); beside them, a whole verify forward's logits both ways."""
+    ids = prompt_ids(tokenizer, args.length)
+    length = ids.shape[1]
+    cache = DynamicCache()
+    target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    layers = [(k, v) for k, v, *_ in cache]
+    config, module = target.config, target.model.layers[0].self_attn
+    heads, dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    ways = {"sdpa": 0, "matmul": verify_attention.MATMUL_ROWS}
+    runs = {}
+    for q in (1, 2, 3, 4, 6, 8):
+        queries = [torch.randn(1, heads, q, dim, generator=generator) for _ in layers]
+        sees = torch.arange(length + q)[None] <= torch.arange(length, length + q)[:, None]
+        mask = None if q == 1 else sees[None, None]  # a one-token step has no mask (a cache without holes)
+        for way, rows in ways.items():
+
+            def run(queries=queries, mask=mask, rows=rows):
+                verify_attention.MATMUL_ROWS = rows
+                for query, (key, value) in zip(queries, layers):
+                    verify_attention.verify_sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
+
+            runs[f"{q} queries, {way}"] = run
+    times = {key: [] for key in runs}
+    for i in range(args.repeats + 1):
+        for key, run in runs.items():
+            elapsed = timed(run)
+            if i:
+                times[key].append(elapsed)
+    new = torch.randint(0, config.vocab_size, (1, 6), generator=generator)
+    logits = {}
+    for way, rows in ways.items():
+        verify_attention.MATMUL_ROWS = rows
+        with routed(target):
+            logits[way] = target(input_ids=new, attention_mask=torch.ones(1, length + 6, dtype=torch.long),
+                                 position_ids=torch.arange(length, length + 6)[None], cache=cache).logits  # fmt: skip
+        cache.crop(length)
+    verify_attention.MATMUL_ROWS = ways["matmul"]
+    return {
+        "prompt_tokens": length,
+        "ms": {key: statistics.median(t) for key, t in times.items()},
+        "verify6_logits_max_abs_difference": (logits["sdpa"] - logits["matmul"]).abs().max().item(),
+        "verify6_argmax_equal": torch.equal(logits["sdpa"].argmax(-1), logits["matmul"].argmax(-1)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=["prefill", "steps", "generate"])
+    parser.add_argument("part", choices=["prefill", "steps", "generate", "attention"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reverse", action="store_true", help="generate: run the new way before the old one")
     parser.add_argument("--warm-up", type=int, default=0, help="generate: first decode this many tokens drafted")
@@ -207,10 +262,10 @@ def main() -> None:
     args = parser.parse_args()
     args.length = parse_context_lengths(args.length)[0]
     if args.repeats is None:
-        args.repeats = {"prefill": 2, "steps": 7, "generate": 1}[args.part]
+        args.repeats = {"prefill": 2, "steps": 7, "generate": 1, "attention": 9}[args.part]
     torch.set_num_threads(2)
     target, tokenizer, drafter = load_default()
-    part = part_steps if args.part == "steps" else part_generate
+    part = {"steps": part_steps, "attention": part_attention}.get(args.part, part_generate)
     result = part(args, target, tokenizer, drafter)
     result.update(cpu=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__)
     print(json.dumps({k: v for k, v in result.items() if k != "all_ms"}, indent=1), flush=True)

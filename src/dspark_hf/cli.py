@@ -2,7 +2,8 @@
 
 User errors (bad arguments, missing or malformed files, an unreachable server) end as one line on stderr and exit
 status 2, without a traceback; `--debug` or `DSPARK_DEBUG=1` shows it. Arguments and input files are checked before
-any model loads.
+any model loads. The process is ours, so glibc's malloc keeps freed memory for the next forward
+(`kernels.allocator.keep_freed_memory`; `DSPARK_SYSTEM_MALLOC=1` leaves it as it is).
 """
 
 import argparse
@@ -1035,6 +1036,9 @@ def _debug(args) -> bool:
 def main(argv=None) -> int:
     """Run one command; a user error prints one line on stderr and returns 2 (`--debug` / DSPARK_DEBUG=1: raise)."""
     args = build_parser().parse_args(argv)
+    from .kernels.allocator import keep_freed_memory
+
+    keep_freed_memory()  # a long prompt's prefill without millions of page faults (this process only)
     try:
         return args.func(args)
     except KeyboardInterrupt:

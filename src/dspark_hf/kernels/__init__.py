@@ -1,1 +1,1 @@
-"""CPU kernels: few-row products, packed drafting linears, the verify LM head and GQA routing."""
+"""CPU kernels: few-row products, packed drafting linears, the verify LM head, GQA routing and the allocator."""

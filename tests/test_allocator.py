@@ -1,0 +1,73 @@
+"""`kernels.allocator`: glibc's malloc keeps freed memory in the `dspark-hf` process, and only there."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dspark_hf import cli
+from dspark_hf.kernels import allocator
+
+
+class FakeLibc:
+    def __init__(self, result=1):
+        self.calls, self.result = [], result
+
+    def mallopt(self, parameter, value):
+        self.calls.append((parameter, value))
+        return self.result
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(allocator, "_applied", False)
+    monkeypatch.delenv("DSPARK_SYSTEM_MALLOC", raising=False)
+
+
+def test_sets_mmap_off_and_a_high_trim_threshold_once(monkeypatch, fresh):
+    libc = FakeLibc()
+    monkeypatch.setattr(allocator, "_glibc", lambda: libc)
+    assert allocator.keep_freed_memory() and allocator.keep_freed_memory()
+    assert libc.calls == [(allocator.M_MMAP_MAX, 0), (allocator.M_TRIM_THRESHOLD, 2**31 - 1)]  # once
+
+
+@pytest.mark.parametrize("case", ["opted out", "not glibc", "refused"])
+def test_changes_nothing_otherwise(monkeypatch, fresh, case):
+    libc = FakeLibc(result=0 if case == "refused" else 1)
+    monkeypatch.setattr(allocator, "_glibc", lambda: None if case == "not glibc" else libc)
+    if case == "opted out":
+        monkeypatch.setenv("DSPARK_SYSTEM_MALLOC", "1")
+    assert allocator.keep_freed_memory() is False
+    assert libc.calls == ([(allocator.M_MMAP_MAX, 0)] if case == "refused" else [])
+
+
+def test_the_command_line_applies_it(monkeypatch, capsys):
+    called = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: called.append(True))
+    assert cli.main(["export", "--format", "gguf", "--drafter", "/no/such/drafter", "--out", "x.gguf"]) == 2
+    assert called == [True] and "error" in capsys.readouterr().err
+
+
+FAULTS = """
+import resource, torch
+from dspark_hf.kernels.allocator import keep_freed_memory
+print(keep_freed_memory())
+for _ in range(3):  # the first two grow the heap (an aligned block needs a little more than the one freed)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(64 << 18)  # 64 MB, above glibc's largest mmap threshold
+    del x
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(allocator._glibc() is None, reason="glibc's malloc only")
+@pytest.mark.parametrize("system", [False, True])
+def test_a_freed_block_is_reused_without_page_faults(system):
+    """The third 64 MB tensor touches no new pages (16k faults with glibc's defaults: the negative control)."""
+    env = {k: v for k, v in os.environ.items() if k != "DSPARK_SYSTEM_MALLOC"}
+    env |= {"DSPARK_SYSTEM_MALLOC": "1"} if system else {}
+    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, check=True, env=env).stdout
+    applied, faults = out.split()[0] == "True", int(out.split()[1])
+    assert applied is not system
+    assert faults > 10_000 if system else faults < 1_000
