@@ -217,7 +217,7 @@ def part_attention(args, target, tokenizer, drafter) -> dict:
     runs = {}
     for q in (1, 2, 3, 4, 6, 8):
         queries = [torch.randn(1, heads, q, dim, generator=generator) for _ in layers]
-        sees = torch.arange(length + q)[None] <= torch.arange(length, length + q)[:, None]
+        sees = torch.arange(length)[None] <= torch.arange(length - q, length)[:, None]  # the last q: the new ones
         mask = None if q == 1 else sees[None, None]  # a one-token step has no mask (a cache without holes)
         for way, rows in ways.items():
 
@@ -240,7 +240,7 @@ def part_attention(args, target, tokenizer, drafter) -> dict:
         with routed(target):
             logits[way] = target(input_ids=new, attention_mask=torch.ones(1, length + 6, dtype=torch.long),
                                  position_ids=torch.arange(length, length + 6)[None], cache=cache).logits  # fmt: skip
-        cache.crop(length)
+        cache.crop(-6)
     verify_attention.MATMUL_ROWS = ways["matmul"]
     return {
         "prompt_tokens": length,
