@@ -50,9 +50,11 @@ def test_the_command_line_applies_it(monkeypatch, capsys):
 
 
 FAULTS = """
-import resource, torch
-from dspark_hf.kernels.allocator import keep_freed_memory
-print(keep_freed_memory())
+import importlib.util, resource, sys, torch
+spec = importlib.util.spec_from_file_location("allocator", sys.argv[1])  # the module alone: a quicker start
+allocator = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(allocator)
+print(allocator.keep_freed_memory())
 for _ in range(3):  # the first two grow the heap (an aligned block needs a little more than the one freed)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(64 << 18)  # 64 MB, above glibc's largest mmap threshold
@@ -67,7 +69,8 @@ def test_a_freed_block_is_reused_without_page_faults(system):
     """The third 64 MB tensor touches no new pages (16k faults with glibc's defaults: the negative control)."""
     env = {k: v for k, v in os.environ.items() if k != "DSPARK_SYSTEM_MALLOC"}
     env |= {"DSPARK_SYSTEM_MALLOC": "1"} if system else {}
-    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, check=True, env=env).stdout
+    command = [sys.executable, "-c", FAULTS, allocator.__file__]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
     applied, faults = out.split()[0] == "True", int(out.split()[1])
     assert applied is not system
     assert faults > 10_000 if system else faults < 1_000
