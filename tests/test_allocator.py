@@ -55,22 +55,23 @@ spec = importlib.util.spec_from_file_location("allocator", sys.argv[1])  # the m
 allocator = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(allocator)
 print(allocator.keep_freed_memory())
-for _ in range(3):  # the first two grow the heap (an aligned block needs a little more than the one freed)
+for _ in range(6):  # the first ones grow the heap (an aligned block needs a little more than the one freed)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(64 << 18)  # 64 MB, above glibc's largest mmap threshold
     del x
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
 @pytest.mark.skipif(allocator._glibc() is None, reason="glibc's malloc only")
 @pytest.mark.parametrize("system", [False, True])
 def test_a_freed_block_is_reused_without_page_faults(system):
-    """The third 64 MB tensor touches no new pages (16k faults with glibc's defaults: the negative control)."""
+    """Once the heap has grown, a 64 MB tensor touches no new pages (16k faults each with glibc's defaults: the
+    negative control)."""
     env = {k: v for k, v in os.environ.items() if k != "DSPARK_SYSTEM_MALLOC"}
     env |= {"DSPARK_SYSTEM_MALLOC": "1"} if system else {}
     command = [sys.executable, "-c", FAULTS, allocator.__file__]
     out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
-    applied, faults = out.split()[0] == "True", int(out.split()[1])
+    applied, faults = out.split()[0] == "True", [int(n) for n in out.split()[-3:]]  # the last three tensors
     assert applied is not system
-    assert faults > 10_000 if system else faults < 1_000
+    assert min(faults) > 10_000 if system else max(faults) < 1_000
