@@ -115,7 +115,7 @@ def _by_matmul(query, key, mask, n_rep: int) -> bool:
 
 def _matmul_attention(query, key, value, mask, n_rep: int, scaling: float | None) -> torch.Tensor:
     """Attention of a few queries as two matrix products per key/value head, its query heads packed into the rows:
-    scores (B, H_kv, n_rep q, L) = Q K^T, the mask added, softmax in place, times V -> (B, H, q, d).
+    scores (B, H_kv, n_rep q, L) = Q K^T, the mask added, softmax, times V -> (B, H, q, d).
 
     SDPA's fused CPU kernel walks the cache in blocks per query head (or per packed product), which for 2-8 queries
     over a few thousand keys runs well below the memory bandwidth; BLAS streams each key and value once per key/value
