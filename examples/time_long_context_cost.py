@@ -61,6 +61,17 @@ def timed(fn) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
+def round_robin(runs: dict, repeats: int) -> dict:
+    """Median ms of each run, visiting them in turn `repeats` times after one warm-up visit."""
+    times = {key: [] for key in runs}
+    for i in range(repeats + 1):
+        for key, run in runs.items():
+            elapsed = timed(run)
+            if i:
+                times[key].append(elapsed)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 @contextlib.contextmanager
 def old_path(old: bool):
     """The code as it was (every hidden state, concatenating caches) while `old`, restored on exit."""
@@ -161,13 +172,7 @@ def part_steps(args, target, tokenizer, drafter) -> dict:
         passes[f"plain step, {name}"] = plain(cache)
         for width in WIDTHS:
             passes[f"verify {width}, {name}"] = verify(cache, width, name)
-    times = {key: [] for key in passes}
-    for i in range(args.repeats + 1):
-        for key, run in passes.items():
-            elapsed = timed(run)
-            if i:
-                times[key].append(elapsed)
-    medians = {key: statistics.median(t) for key, t in times.items()}
+    medians = round_robin(passes, args.repeats)
     identical = all(torch.equal(logits["DynamicCache", w], logits["AppendCache", w]) for w in WIDTHS)
     # the copy alone: every layer's keys and values concatenated with 2 new slots, as DynamicLayer.update does
     two = [(k[:, :, :2].clone(), v[:, :, :2].clone()) for k, v in layers]
@@ -227,12 +232,7 @@ def part_attention(args, target, tokenizer, drafter) -> dict:
                     verify_attention.verify_sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
 
             runs[f"{q} queries, {way}"] = run
-    times = {key: [] for key in runs}
-    for i in range(args.repeats + 1):
-        for key, run in runs.items():
-            elapsed = timed(run)
-            if i:
-                times[key].append(elapsed)
+    medians = round_robin(runs, args.repeats)
     new = torch.randint(0, config.vocab_size, (1, 6), generator=generator)
     logits = {}
     for way, rows in ways.items():
@@ -244,7 +244,7 @@ def part_attention(args, target, tokenizer, drafter) -> dict:
     verify_attention.MATMUL_ROWS = ways["matmul"]
     return {
         "prompt_tokens": length,
-        "ms": {key: statistics.median(t) for key, t in times.items()},
+        "ms": medians,
         "verify6_logits_max_abs_difference": (logits["sdpa"] - logits["matmul"]).abs().max().item(),
         "verify6_argmax_equal": torch.equal(logits["sdpa"].argmax(-1), logits["matmul"].argmax(-1)),
     }

@@ -129,41 +129,39 @@ def _matmul_attention(query, key, value, mask, n_rep: int, scaling: float | None
     return torch.matmul(probabilities, value).reshape(batch, heads, q, dim)
 
 
-_last_bias: tuple | None = None  # (weak reference to a mask, its version, n_rep, dtype, its additive bias or None)
+_last: dict[tuple, tuple] = {}  # kind -> (weak reference to a mask, its version, what was made of it)
+
+
+def _once_per_mask(mask: torch.Tensor, kind: tuple, make):
+    """`make(mask)`, made once per forward: every layer of a pass gets the same mask tensor, so the last result of
+    each `kind` is kept (beside a weak reference to its source) until another mask comes."""
+    last = _last.get(kind)
+    if last is not None and last[0]() is mask and last[1] == mask._version:
+        return last[2]
+    made = make(mask)
+    _last[kind] = (weakref.ref(mask), mask._version, made)
+    return made
 
 
 def _bias(mask: torch.Tensor, n_rep: int, dtype: torch.dtype) -> torch.Tensor | None:
     """The mask (B or 1, 1, q, L), bool or additive, as an additive bias of `dtype` with rows repeated for the packed
-    heads, (B or 1, 1, n_rep q, L); None where a query sees no key (softmax would give NaN, SDPA decides those).
-    Made once per forward: every layer gets the same mask tensor."""
-    global _last_bias
-    last = _last_bias
-    if last is not None and last[0]() is mask and last[1:4] == (mask._version, n_rep, dtype):
-        return last[4]
-    if mask.dtype == torch.bool:
-        sees = mask.any(dim=-1).all()
-        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
-    else:
-        bias = mask.to(dtype)
-        sees = (bias > torch.finfo(dtype).min).any(dim=-1).all()
-    bias = bias.repeat(1, 1, n_rep, 1) if bool(sees) else None
-    _last_bias = (weakref.ref(mask), mask._version, n_rep, dtype, bias)
-    return bias
+    heads, (B or 1, 1, n_rep q, L); None where a query sees no key (softmax would give NaN, SDPA decides those)."""
 
+    def make(mask):
+        if mask.dtype == torch.bool:
+            sees = mask.any(dim=-1).all()
+            bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        else:
+            bias = mask.to(dtype)
+            sees = (bias > torch.finfo(dtype).min).any(dim=-1).all()
+        return bias.repeat(1, 1, n_rep, 1) if bool(sees) else None
 
-_last_mask: tuple | None = None  # (weak reference to a mask, its version, n_rep, its repeat): the last one made
+    return _once_per_mask(mask, ("bias", n_rep, dtype), make)
 
 
 def _repeated(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """`mask.repeat(1, 1, n_rep, 1)`, made once per forward: every layer of a pass gets the same mask tensor, so the
-    last repeat is kept (beside a weak reference to its source) until another mask comes."""
-    global _last_mask
-    last = _last_mask
-    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == n_rep:
-        return last[3]
-    repeated = mask.repeat(1, 1, n_rep, 1)
-    _last_mask = (weakref.ref(mask), mask._version, n_rep, repeated)
-    return repeated
+    """`mask.repeat(1, 1, n_rep, 1)`, once per forward."""
+    return _once_per_mask(mask, ("repeat", n_rep), lambda mask: mask.repeat(1, 1, n_rep, 1))
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, verify_sdpa_attention_forward)

@@ -64,13 +64,13 @@ def dspark_loss(
     ce = -log_pd.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * in_vocab  # (..., γ)
     zero = draft_logits.new_zeros(())
     matched = target_logits if teacher_logits is None else teacher_logits  # what the L1 and KL terms pull towards
-    p_d = log_pd.exp()
 
     def l1_to(logits):  # ‖p_d - softmax(logits)‖₁ = 2·TV, (..., γ)
         return (p_d - F.softmax(logits.float(), dim=-1)).abs().sum(-1)
 
     tv = l1 = zero
     if alpha_tv or confidence_logits is not None:
+        p_d = log_pd.exp()  # (..., γ, V): only where an L1 is taken
         l1 = l1_to(target_logits)
         tv = (weights * l1).sum() / denom
     if alpha_tv and teacher_logits is not None:
