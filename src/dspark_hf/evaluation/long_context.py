@@ -140,14 +140,18 @@ def long_context_sets(tokenizer, lengths, num_prompts: int = 2, max_prompt_token
 
 def format_long_context(result: dict) -> str:
     """The per-length table of `dspark-hf bench --long-context`: τ (of all rounds and of the rounds that drafted),
-    acceptance at position 1, speed against plain (whole generate() and the decoding phase without the prefill), and
-    a round's ms split into draft, verify and bookkeeping beside one plain step."""
+    τ relative to the shortest length, acceptance at position 1, speed against plain (whole generate() and the
+    decoding phase without the prefill), and a round's ms split into draft, verify and bookkeeping beside one plain
+    step. Brackets hold 95 % bootstrap intervals over the prompts (`statistics`)."""
 
     def fmt(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    header = ("length", "drafter", "tokens", "identical", "τ", "τ drafted", "acc@1", "plain tok/s", "speedup",
-              "decode", "draft ms", "verify ms", "other ms", "round ms", "drafted", "plain step ms",
+    def interval(ci, spec=".2f"):
+        return "" if ci is None else f" [{ci[0]:{spec}}–{ci[1]:{spec}}]"
+
+    header = ("length", "drafter", "tokens", "identical", "τ", "τ / shortest", "τ drafted", "acc@1", "plain tok/s",
+              "speedup", "decode", "draft ms", "verify ms", "other ms", "round ms", "drafted", "plain step ms",
               "verify/plain")  # fmt: skip
     lines = [header]
     for r in context_rows(result):
@@ -158,10 +162,11 @@ def format_long_context(result: dict) -> str:
                 f"{r['prompt_tokens']:.0f}",
                 str(r["identical"]),
                 fmt(r["tau"]),
+                fmt(r["tau_rel"]) + interval(r["tau_rel_ci"]),
                 fmt(r["tau_drafted"]),
                 fmt(r["acceptance_1"]),
                 fmt(r["plain_tps"], ".1f"),
-                fmt(r["speedup"]) + "x",
+                fmt(r["speedup"]) + "x" + interval(r["speedup_ci"]),
                 fmt(r["decode_speedup"]) + "x",
                 fmt(r["draft_ms"], ".1f"),
                 fmt(r["verify_ms"], ".1f"),

@@ -10,6 +10,8 @@ Colours are drafters; solid lines T = 0, dashed T > 0.
 import math
 from pathlib import Path
 
+from .statistics import bootstrap_interval, paired_ratio_interval, ratio_of_sums
+
 
 PLOT_FILES = ("acceptance_by_position.png", "tau_vs_draft_length.png", "latency_vs_block_length.png")
 
@@ -123,12 +125,49 @@ def context_rows(result: dict) -> list[dict]:
                 "verify_vs_plain": round_ms["verify"] / plain_step if plain_step and round_ms else None,
             }
         )
-    return sorted(rows, key=lambda r: (r["drafter"], r["prompt_tokens"]))
+    rows.sort(key=lambda r: (r["drafter"], r["prompt_tokens"]))
+    _add_intervals(rows, {(run["dataset"], run["drafter"]): run["per_prompt"] for run in result["runs"]})
+    return rows
+
+
+def _add_intervals(rows: list[dict], prompts: dict) -> None:
+    """95 % bootstrap intervals over the prompts (`statistics`): `tau_ci`, `speedup_ci`, and τ relative to the
+    shortest set of the same drafter, `tau_rel` with `tau_rel_ci`, resampling prompt i of both sets together."""
+    shortest = {}
+    for row in rows:  # sorted by length within a drafter
+        shortest.setdefault(row["drafter"], row)
+    for row in rows:
+        mine = prompts[row["dataset"], row["drafter"]]
+        tau = ratio_of_sums([p["new_tokens"] for p in mine], [p["num_target_forwards"] for p in mine])
+        speed = ratio_of_sums([p["seconds_plain"] for p in mine], [p["seconds"] for p in mine])
+        row["tau_ci"] = bootstrap_interval(tau, len(mine))
+        row["speedup_ci"] = bootstrap_interval(speed, len(mine))
+        base = shortest[row["drafter"]]
+        theirs = prompts[base["dataset"], base["drafter"]]
+        base_tau = ratio_of_sums([p["new_tokens"] for p in theirs], [p["num_target_forwards"] for p in theirs])
+        row["tau_rel"] = row["tau"] / base["tau"] if base["tau"] else None
+        row["tau_rel_ci"] = paired_ratio_interval(tau, base_tau, min(len(mine), len(theirs)))
+
+
+def _with_intervals(ax, xs, rows, key, colour, label) -> None:
+    """A solid line of rows[key], with error bars from rows[key + "_ci"] where every row has one."""
+    ys = [r[key] for r in rows]
+    intervals = [r.get(f"{key}_ci") for r in rows]
+    if all(ci is not None for ci in intervals):
+        # a percentile interval may miss its own point estimate on skewed data: no bar below zero length
+        errors = [
+            [max(y - ci[0], 0.0) for y, ci in zip(ys, intervals)],
+            [max(ci[1] - y, 0.0) for y, ci in zip(ys, intervals)],
+        ]
+        ax.errorbar(xs, ys, yerr=errors, fmt="-o", ms=3, capsize=3, color=colour, label=label)
+    else:
+        ax.plot(xs, ys, "-o", ms=3, color=colour, label=label)
 
 
 def plot_long_context(result: dict, path) -> Path:
     """`long_context.png`: τ, speed against plain and a round's ms (draft, verify, the rest; one plain step dotted)
-    against the prompt's length, one colour per drafter (`long_context.context_rows`)."""
+    against the prompt's length, one colour per drafter (`long_context.context_rows`); bars on τ and on the speed of
+    the whole call are 95 % bootstrap intervals over the prompts."""
     plt = _pyplot()
     rows = context_rows(result)
     fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.8))
@@ -136,13 +175,13 @@ def plot_long_context(result: dict, path) -> Path:
         mine = [r for r in rows if r["drafter"] == label]
         xs = [r["prompt_tokens"] for r in mine]
         colour = f"C{i}"
-        axes[0].plot(xs, [r["tau"] for r in mine], "-o", ms=3, color=colour, label=f"{label} τ")
+        _with_intervals(axes[0], xs, mine, "tau", colour, f"{label} τ")
         if all(r["tau_drafted"] is not None for r in mine):
             axes[0].plot(
                 xs, [r["tau_drafted"] for r in mine], "--o", ms=3, color=colour, label=f"{label} τ, drafted rounds"
             )
         axes[0].plot(xs, [r["acceptance_1"] for r in mine], ":o", ms=3, color=colour, label=f"{label} acc@1")
-        axes[1].plot(xs, [r["speedup"] for r in mine], "-o", ms=3, color=colour, label=f"{label} generate()")
+        _with_intervals(axes[1], xs, mine, "speedup", colour, f"{label} generate()")
         if all(r["decode_speedup"] is not None for r in mine):
             axes[1].plot(xs, [r["decode_speedup"] for r in mine], "--o", ms=3, color=colour, label=f"{label} decoding")
         for key, style in (("round_ms", "-"), ("verify_ms", "--"), ("draft_ms", "-.")):
