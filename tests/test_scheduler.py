@@ -286,16 +286,17 @@ def test_conditional_confidences_undo_the_cumulative_product():
     assert conditional_confidences([]) == []
 
 
-def _gate_run(gate, now, rounds, drafted_seconds, plain_seconds, drafted_tokens=(3,)):
+def _gate_run(gate, now, rounds, drafted_seconds, plain_seconds, drafted_tokens=(3,), lengths=None):
     """`rounds` rounds of one request on a fake clock: the i-th drafted round commits `drafted_tokens[i % len]` in
     `drafted_seconds`, a plain one 1 token in `plain_seconds`; the draft pass is priced cheap, so the prediction
-    alone would always draft. Returns the decisions."""
+    alone would always draft. `lengths` ([3]): the round verifies its 3 drafts, so the confidences (0.9 each)
+    expect 1 + 0.9 + 0.81 + 0.729 = 3.44 tokens of it. Returns the decisions."""
     confident = [[0.9, 0.9, 0.9]]
     decisions = []
     for _ in range(rounds):
         drafted = gate.should_draft(confident, [3])
         if drafted:
-            gate.record(0.001, confident)
+            gate.record(0.001, confident, lengths)
         now[0] += drafted_seconds if drafted else plain_seconds
         gate.end_round(drafted_tokens[sum(decisions) % len(drafted_tokens)] if drafted else 1)
         decisions.append(drafted)
@@ -315,6 +316,40 @@ def test_draft_gate_keeps_drafting_through_runs_of_rejected_drafts():
     for tokens in (1, 1, 5, 1, 1, 1):
         fast.add(1, 0.06, tokens)
     assert fast.per_token(1) > 0.035  # three rejections in a row: dearer than plain, although 2 a round on average
+
+
+def test_draft_gate_weighs_a_few_unlucky_rounds_against_the_confidences():
+    """Drafted rounds cost 60 ms, plain ones 35. The first drafted rounds commit 1 token each, later ones 1, 3 and 5
+    in turn (3 on average, 20 ms a token, as the confidences expect). Counted alone, the unlucky start prices
+    drafting at 60 ms a token and the gate shuts (the negative control, `prior_rounds=0`); with the confidences
+    worth 8 rounds it keeps drafting and finds the rounds that pay."""
+    tokens = (1,) * 6 + (1, 3, 5) * 60
+    runs = {}
+    for prior in (8.0, 0.0):
+        now = [0.0]
+        gate = DraftGate({b: 10.0 for b in range(1, 10)}, prior_rounds=prior, clock=lambda now=now: now[0])
+        runs[prior] = _gate_run(gate, now, 60, 0.06, 0.035, drafted_tokens=tokens, lengths=[3])
+    assert sum(runs[8.0][:30]) >= 20, runs[8.0]
+    assert sum(runs[0.0][:30]) <= 12, runs[0.0]
+    assert sum(runs[8.0][30:]) >= 20  # drafting, with a plain round now and then to keep its cost current
+    assert RoundCosts(0.3, prior_rounds=0).prior_rounds == 0
+    with pytest.raises(ValueError, match="prior_rounds"):
+        RoundCosts(0.3, prior_rounds=-1)
+
+
+def test_draft_gate_finds_out_confidences_that_promise_too_much():
+    """The confidences expect 3.44 tokens a round, every drafted round commits 1 (70 ms against 35 for a plain
+    one): as measured rounds outweigh the 8 rounds the confidences count for, drafting is priced dearer than plain
+    and only probes draft. Rounds without lengths (a tree's) count as measured, as before."""
+    now = [0.0]
+    gate = DraftGate({b: 10.0 for b in range(1, 10)}, clock=lambda: now[0])
+    decisions = _gate_run(gate, now, 200, 0.07, 0.035, drafted_tokens=(1,), lengths=[3])
+    assert sum(decisions[:20]) >= 10  # the confidences are believed at first
+    assert sum(decisions[100:]) <= 10, decisions  # then the measurement wins
+    assert gate.rounds[True].expected[1] == pytest.approx(3.439)
+    assert gate.rounds[True].per_token(1) > gate.rounds[False].per_token(1)
+    gate.record(0.001, [[0.9, 0.9, 0.9]])  # no lengths: no expectation for the round
+    assert gate.expected is None
 
 
 def test_draft_gate_follows_measured_round_times_and_recovers_when_the_load_changes():
@@ -395,3 +430,33 @@ def test_draft_pass_cost_falls_fast_when_a_load_leaves_and_rises_slowly():
     for seconds in [0.008] * 8 + [0.05]:
         gate.record(seconds, [[0.9, 0.8]])
     assert 0.015 < gate.cost(1) < 0.02
+
+
+@pytest.mark.parametrize("budget", [0, 6])
+def test_the_decoder_gives_the_gate_a_chains_lengths_and_a_tree_none(monkeypatch, budget):
+    """A chain's round tells the gate how many drafts each row verifies, so that it can expect the round's tokens;
+    a tree's node counts are not a chain's prefix, so its rounds carry no expectation."""
+    import torch
+
+    from conftest import make_drafter, make_target
+
+    seen = []
+    record = DraftGate.record
+
+    def spy(self, seconds, confidences, lengths=None):
+        seen.append(None if lengths is None else list(lengths))
+        return record(self, seconds, confidences, lengths)
+
+    monkeypatch.setattr(DraftGate, "record", spy)
+    target = make_target()
+    drafter = make_drafter(target, verify_policy="scheduler")
+    drafter.config.tree_budget = budget
+    drafter.sps_profile = {b: 100.0 for b in range(1, 40)}  # width is free: drafting always pays
+    ids = torch.randint(0, 99, (1, 9))
+    target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                    assistant_model=drafter)  # fmt: skip
+    assert seen
+    if budget:
+        assert all(lengths is None for lengths in seen)
+    else:
+        assert all(len(lengths) == 1 and 0 <= lengths[0] <= 4 for lengths in seen)

@@ -186,17 +186,29 @@ class RoundCosts:
     tokens it commits follow the text, one round accepting none and the next several, so they are averaged over
     about `1 / token_weight` rounds. Weighting tokens as fast as seconds let a short run of rejected drafts price
     drafting above plain decoding on a quiet machine and close the gate for rounds that would have paid. Both start
-    as plain means (weight 1/n for the n-th round) until their weight is reached."""
+    as plain means (weight 1/n for the n-th round) until their weight is reached.
 
-    def __init__(self, weight: float, token_weight: float | None = None):
+    Even averaged, a few rounds say little: a drafted round commits anywhere from 1 to 8 tokens. Where each round
+    also comes with the tokens the calibrated confidences expected of it (`add(..., expected=)`), the measured
+    tokens are shrunk towards those: the prediction counts as `prior_rounds` rounds of evidence against the n rounds
+    measured (n up to the averaging window, 1 / token_weight), so a short unlucky run cannot by itself price
+    drafting above plain decoding, and a drafter whose confidences promise more than it delivers is still found out
+    as the rounds accumulate."""
+
+    def __init__(self, weight: float, token_weight: float | None = None, prior_rounds: float = 0.0):
+        if prior_rounds < 0:
+            raise ValueError(f"`prior_rounds` must be >= 0, got {prior_rounds!r}.")
         self.weight = weight
         self.token_weight = weight / 6 if token_weight is None else token_weight
+        self.prior_rounds = prior_rounds
         self.seconds: dict[int, float] = {}
         self.tokens: dict[int, float] = {}
+        self.expected: dict[int, float] = {}  # the same average of what the confidences expected of each round
         self.count: dict[int, int] = {}
 
-    def add(self, rows: int, seconds: float, tokens: int) -> None:
-        """One round; the first of each row count is left out (a warm-up: first kernels, measuring, allocating)."""
+    def add(self, rows: int, seconds: float, tokens: int, expected: float | None = None) -> None:
+        """One round (`expected`: the tokens its confidences predicted, None if unknown); the first of each row count
+        is left out (a warm-up: first kernels, measuring, allocating)."""
         n = self.count[rows] = self.count.get(rows, 0) + 1
         if n == 1:
             return
@@ -204,10 +216,17 @@ class RoundCosts:
         w, wt = max(self.weight, mean), max(self.token_weight, mean)
         self.seconds[rows] = (1 - w) * self.seconds.get(rows, 0.0) + w * seconds
         self.tokens[rows] = (1 - wt) * self.tokens.get(rows, 0.0) + wt * tokens
+        expected = tokens if expected is None else expected  # no prediction: the round speaks for itself
+        self.expected[rows] = (1 - wt) * self.expected.get(rows, 0.0) + wt * expected
 
     def per_token(self, rows: int) -> float | None:
         tokens = self.tokens.get(rows)
-        return self.seconds[rows] / tokens if tokens else None
+        if not tokens:
+            return None
+        if self.prior_rounds:
+            measured = min(self.count[rows] - 1, 1.0 / self.token_weight)
+            tokens = (measured * tokens + self.prior_rounds * self.expected[rows]) / (measured + self.prior_rounds)
+        return self.seconds[rows] / tokens
 
 
 class GateMemory:
@@ -243,8 +262,10 @@ class DraftGate:
     prediction; the probes above re-measure drafting (a drafted round after several plain ones also feeds the drafter
     their positions, so the round after it is the one measured), and one that measures cheaper than plain keeps the
     wait at `probe_interval`. While drafting, every `plain_probe_interval`-th round is plain, so that the plain cost
-    it is held against stays current. Which rounds draft never changes the tokens (a plain round is lossless), so the
-    gate may use timing freely.
+    it is held against stays current. A drafted round's tokens are measured against what its calibrated confidences
+    expected, worth `prior_rounds` rounds (`RoundCosts`): timing says what the load costs, the confidences what a
+    round commits, until enough rounds have been counted. Which rounds draft never changes the tokens (a plain round
+    is lossless), so the gate may use timing freely.
     """
 
     def __init__(
@@ -257,6 +278,7 @@ class DraftGate:
         weight: float = 0.3,
         clock: Callable[[], float] = time.perf_counter,
         memory: GateMemory | None = None,
+        prior_rounds: float = 8.0,
     ):
         if draft_seconds is not None and not callable(draft_seconds):
             if isinstance(draft_seconds, bool) or not isinstance(draft_seconds, (int, float)) or draft_seconds < 0:
@@ -284,7 +306,8 @@ class DraftGate:
         self.wait = probe_interval  # plain rounds before the next probe (backs off while probes fail)
         self.probing = False  # the last drafted round was a probe
         # drafted / plain round costs start afresh each call: a cold first call must not keep later ones plain
-        self.rounds = {True: RoundCosts(weight), False: RoundCosts(weight)}
+        self.rounds = {True: RoundCosts(weight, prior_rounds=prior_rounds), False: RoundCosts(weight)}
+        self.expected: float | None = None  # tokens the open drafted round's confidences expect (`record`)
         self.round: tuple | None = None  # (start, drafted, rows, probe, measured) of the open round
         self.confirm = False  # the last round drafted after plain ones, unmeasured: draft this one to measure it
         self.measured_gated = 0  # rounds made plain because drafted rounds measured dearer per token
@@ -357,9 +380,10 @@ class DraftGate:
         start, drafted, rows, probe, typical = self.round
         self.round = None
         seconds = self.clock() - start
+        expected, self.expected = self.expected, None
         if not (typical and measured):
             return
-        self.rounds[drafted].add(rows, seconds, tokens)
+        self.rounds[drafted].add(rows, seconds, tokens, expected if drafted else None)
         plain = self.rounds[False].per_token(rows)
         if probe and plain is not None and seconds / max(tokens, 1) <= plain:
             self.wait, self.probing = self.probe_interval, False  # the probe measured cheaper: look again soon
@@ -369,11 +393,19 @@ class DraftGate:
             return self.measured.get(n_rows)
         return float(self.draft_seconds(n_rows) if callable(self.draft_seconds) else self.draft_seconds)
 
-    def record(self, seconds: float, confidences: Sequence[Sequence[float]]) -> None:
+    def record(
+        self, seconds: float, confidences: Sequence[Sequence[float]], lengths: Sequence[int] | None = None
+    ) -> None:
         """After a drafted round's draft pass: its wall time and every row's conditional confidences (the new
-        hints). The first pass at a row count is a warm-up (first kernels, packed weights) and is not priced; later
-        ones are averaged, a pass cheaper than the average weighted 0.5, a dearer one 0.2."""
+        hints); `lengths`: the drafts each row verifies, where they are a chain's prefix (the round's expected tokens
+        then weigh in its measurement). The first pass at a row count is a warm-up (first kernels, packed weights)
+        and is not priced; later ones are averaged, a pass cheaper than the average weighted 0.5, a dearer one 0.2."""
         rows = len(confidences)
+        self.expected = None
+        if lengths is not None:  # each row commits its bonus token plus the expected accepted prefix
+            self.expected = sum(
+                1.0 + sum(itertools.accumulate(c[:n], operator.mul)) for c, n in zip(confidences, lengths)
+            )
         passes = self.memory.draft_passes[rows] = self.memory.draft_passes.get(rows, 0) + 1
         if passes > 1:
             previous = self.measured.get(rows)
