@@ -20,7 +20,8 @@ from .plots import context_rows, plot_long_context
 
 
 # (kind, module): documentation and source code alternate, so any two prompts cover both; each is long enough
-# (with SmolLM2's tokenizer) to fill an 8k-token prompt.
+# (with SmolLM2's tokenizer) to fill an 8k-token prompt. The second eight came later (2026-12-06): `--limit 8`
+# reads the first eight, as every earlier result did.
 SOURCES = (
     ("docs", "logging"),
     ("code", "argparse"),
@@ -30,6 +31,14 @@ SOURCES = (
     ("code", "shutil"),
     ("docs", "threading"),
     ("code", "statistics"),
+    ("docs", "collections"),
+    ("code", "tarfile"),
+    ("docs", "typing"),
+    ("code", "zipfile"),
+    ("docs", "unittest"),
+    ("code", "configparser"),
+    ("docs", "socket"),
+    ("code", "dataclasses"),
 )
 QUESTIONS = {
     "docs": "Using the documentation above, explain in a few sentences what this module is for, and name two of its "

@@ -16,7 +16,9 @@ from .records import source_rng, user_record
 
 MIN_CHARS, MAX_CHARS = 6_000, 30_000
 # the long-context benchmark's documents (evaluation/long_context.py SOURCES), kept out of training
-BENCHMARK_MODULES = ("logging", "argparse", "pathlib", "subprocess", "difflib", "shutil", "threading", "statistics")
+BENCHMARK_MODULES = ("logging", "argparse", "pathlib", "subprocess", "difflib", "shutil", "threading", "statistics",
+                     "collections", "tarfile", "typing", "zipfile", "unittest", "configparser", "socket",
+                     "dataclasses")  # fmt: skip
 QUESTIONS = (
     "Summarise the document above in a few sentences.",
     "What is the main purpose of what is described above? Answer briefly.",
