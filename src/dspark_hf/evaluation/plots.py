@@ -133,20 +133,22 @@ def context_rows(result: dict) -> list[dict]:
 def _add_intervals(rows: list[dict], prompts: dict) -> None:
     """95 % bootstrap intervals over the prompts (`statistics`): `tau_ci`, `speedup_ci`, and τ relative to the
     shortest set of the same drafter, `tau_rel` with `tau_rel_ci`, resampling prompt i of both sets together."""
+
+    def tau(ps):
+        return ratio_of_sums([p["new_tokens"] for p in ps], [p["num_target_forwards"] for p in ps])
+
     shortest = {}
     for row in rows:  # sorted by length within a drafter
         shortest.setdefault(row["drafter"], row)
     for row in rows:
         mine = prompts[row["dataset"], row["drafter"]]
-        tau = ratio_of_sums([p["new_tokens"] for p in mine], [p["num_target_forwards"] for p in mine])
         speed = ratio_of_sums([p["seconds_plain"] for p in mine], [p["seconds"] for p in mine])
-        row["tau_ci"] = bootstrap_interval(tau, len(mine))
+        row["tau_ci"] = bootstrap_interval(tau(mine), len(mine))
         row["speedup_ci"] = bootstrap_interval(speed, len(mine))
         base = shortest[row["drafter"]]
         theirs = prompts[base["dataset"], base["drafter"]]
-        base_tau = ratio_of_sums([p["new_tokens"] for p in theirs], [p["num_target_forwards"] for p in theirs])
         row["tau_rel"] = row["tau"] / base["tau"] if base["tau"] else None
-        row["tau_rel_ci"] = paired_ratio_interval(tau, base_tau, min(len(mine), len(theirs)))
+        row["tau_rel_ci"] = paired_ratio_interval(tau(mine), tau(theirs), min(len(mine), len(theirs)))
 
 
 def _with_intervals(ax, xs, rows, key, colour, label) -> None:
