@@ -5,10 +5,11 @@ Algorithm 1's early stop is what guarantees that (DSpark paper §3.2.2 and App. 
 """
 
 import itertools
-import operator
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+
+from .lookup import expected_depth
 
 
 SPS = Mapping[int, float] | Callable[[int], float]
@@ -173,7 +174,7 @@ def drafting_pays(
         return 1.0 / (draft_seconds + 1.0 / lookup(b))
 
     lengths = prefix_schedule(predicted, with_draft)  # `lookup` is padded already
-    expected = n_requests + sum(sum(itertools.accumulate(c[:n], operator.mul)) for c, n in zip(predicted, lengths))
+    expected = n_requests + sum(expected_depth(c, n) for c, n in zip(predicted, lengths))
     # a plain step has no drafts to pad its verify with: it runs at its own width
     return expected * with_draft(n_requests + sum(lengths)) > n_requests * curve(n_requests)
 
@@ -403,9 +404,7 @@ class DraftGate:
         rows = len(confidences)
         self.expected = None
         if lengths is not None:  # each row commits its bonus token plus the expected accepted prefix
-            self.expected = sum(
-                1.0 + sum(itertools.accumulate(c[:n], operator.mul)) for c, n in zip(confidences, lengths)
-            )
+            self.expected = sum(1.0 + expected_depth(c, n) for c, n in zip(confidences, lengths))
         passes = self.memory.draft_passes[rows] = self.memory.draft_passes.get(rows, 0) + 1
         if passes > 1:
             previous = self.measured.get(rows)
