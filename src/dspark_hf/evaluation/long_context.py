@@ -282,12 +282,9 @@ def main(argv=None) -> int:
         print(format_long_context(result))
         return 0
 
-    from transformers import AutoTokenizer
+    from ..default import load_default_tokenizer
 
-    from ..default import gguf_path
-
-    folder, name = gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = load_default_tokenizer()
     sets = long_context_sets(tokenizer, parse_context_lengths(args.lengths), args.num_prompts, args.max_prompt_tokens)
     for name, records in sets.items():
         path = Path(args.out) / f"{name}.jsonl"
