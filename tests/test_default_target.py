@@ -59,14 +59,18 @@ def same_tokenizer(a, b) -> bool:
     )
 
 
-def test_the_first_load_keeps_the_target_and_later_loads_read_it(gguf):
+def test_the_first_load_keeps_the_target_and_later_loads_read_it(gguf, caplog):
     folder, conversions, cache = gguf
-    first, first_tokenizer = default.load_default_target()
+    with caplog.at_level("WARNING", logger="dspark_hf.default"):
+        first, first_tokenizer = default.load_default_target()
     kept = default.kept_target_folder()
+    assert f"Kept the converted default target in {kept}" in caplog.text  # the user hears where 540 MB went
     assert kept.parent == cache / "targets" and kept.name.startswith("tiny-")
     assert json.loads((kept / default.MANIFEST).read_text())["files"]["model.safetensors"] > 0
-    second, second_tokenizer = default.load_default_target()
-    assert conversions == [torch.float32]  # converted once
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dspark_hf.default"):
+        second, second_tokenizer = default.load_default_target()
+    assert conversions == [torch.float32] and "Kept" not in caplog.text  # converted and announced once
     reference, reference_tokenizer = default._from_gguf(str(folder), "tiny.gguf", torch.float32)
     for model, tokenizer in ((first, first_tokenizer), (second, second_tokenizer)):
         assert same_model(model, reference) and not model.training

