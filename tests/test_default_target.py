@@ -171,3 +171,24 @@ def test_the_real_kept_target_equals_the_gguf(tmp_path, monkeypatch):
     )
     expected = reference.generate(**chat, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(**chat, max_new_tokens=24, do_sample=False), expected)
+
+
+def test_a_copy_another_process_kept_meanwhile_stays(gguf, monkeypatch):
+    """Two processes converting at once: the second to finish keeps the first one's copy, which may be loading."""
+    folder, conversions, _ = gguf
+    convert, theirs = default._from_gguf, []
+
+    def racing(path, name, dtype):  # the other process finishes its copy while this one converts
+        model, tokenizer = convert(path, name, dtype)
+        if len(conversions) == 1:
+            kept = default.kept_target_folder()
+            assert default._keep(*convert(path, name, dtype), kept)
+            theirs.append((kept / "model.safetensors").stat().st_ino)
+        return model, tokenizer
+
+    monkeypatch.setattr(default, "_from_gguf", racing)
+    target, _ = default.load_default_target()
+    kept = default.kept_target_folder()
+    assert (kept / "model.safetensors").stat().st_ino == theirs[0]  # not replaced under the other process
+    assert not [p for p in kept.parent.iterdir() if p != kept]  # this process's own copy was dropped
+    assert same_model(target, convert(str(folder), "tiny.gguf", torch.float32)[0])

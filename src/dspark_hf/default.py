@@ -62,16 +62,17 @@ def load_default_target(dtype: torch.dtype = torch.float32):
     nothing; a kept copy that is incomplete or damaged is converted again.
     """
     folder, name = gguf_path()
-    kept = kept_target_folder()
+    kept, damaged = kept_target_folder(), False
     if kept is not None and _intact(kept):
         try:
             return _from_kept(kept, folder, dtype)
         except Exception as error:  # damaged in a way the sizes do not show (safetensors has its own errors)
             logger.warning(f"The kept copy of the default target in {kept} does not load ({error}); converting again.")
+            damaged = True
     if kept is None:
         return _from_gguf(folder, name, dtype)
     target, tokenizer = _from_gguf(folder, name, torch.float32)  # the GGUF's own values, whatever dtype was asked
-    if _keep(target, tokenizer, kept):
+    if _keep(target, tokenizer, kept, replace=damaged):
         return _from_kept(kept, folder, dtype)
     return (target, tokenizer) if dtype == torch.float32 else _from_gguf(folder, name, dtype)
 
@@ -131,9 +132,10 @@ def _intact(kept: Path) -> bool:
         return False
 
 
-def _keep(target, tokenizer, kept: Path) -> bool:
+def _keep(target, tokenizer, kept: Path, replace: bool = False) -> bool:
     """Write `target` (float32) and `tokenizer` to `kept`, atomically: filled in a hidden folder beside it, the
-    manifest last, then renamed. Best effort: without room or rights the GGUF is simply read each time."""
+    manifest last, then renamed. A complete copy another process kept meanwhile stays (unless `replace`: it did not
+    load). Best effort: without room or rights the GGUF is simply read each time."""
     from safetensors.torch import save_model
 
     need = sum(p.numel() * p.element_size() for p in target.parameters()) + (64 << 20)
@@ -154,6 +156,9 @@ def _keep(target, tokenizer, kept: Path) -> bool:
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)  # not safetensors' 0600
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         atomic_write_json({"files": files}, tmp / MANIFEST)
+        if not replace and _intact(kept):  # another process kept it while this one converted
+            shutil.rmtree(tmp, ignore_errors=True)
+            return True
         if kept.exists():  # incomplete or damaged: replaced
             shutil.rmtree(kept, ignore_errors=True)
         os.replace(tmp, kept)
