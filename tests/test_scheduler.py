@@ -1,5 +1,7 @@
 """Verify-length policies: Algorithm 1 (prefix schedule with early stop), its incremental form, thresholds."""
 
+import math
+
 import pytest
 
 from dspark_hf.decoding.policy import VerifyPolicy
@@ -340,7 +342,7 @@ def test_draft_gate_weighs_a_few_unlucky_rounds_against_the_confidences():
 def test_draft_gate_finds_out_confidences_that_promise_too_much():
     """The confidences expect 3.44 tokens a round, every drafted round commits 1 (70 ms against 35 for a plain
     one): as measured rounds outweigh the 8 rounds the confidences count for, drafting is priced dearer than plain
-    and only probes draft. Rounds without lengths (a tree's) count as measured, as before."""
+    and only probes draft. Rounds recorded without lengths count as measured, as before."""
     now = [0.0]
     gate = DraftGate({b: 10.0 for b in range(1, 10)}, clock=lambda: now[0])
     decisions = _gate_run(gate, now, 200, 0.07, 0.035, drafted_tokens=(1,), lengths=[3])
@@ -433,9 +435,10 @@ def test_draft_pass_cost_falls_fast_when_a_load_leaves_and_rises_slowly():
 
 
 @pytest.mark.parametrize("budget", [0, 6])
-def test_the_decoder_gives_the_gate_a_chains_lengths_and_a_tree_none(monkeypatch, budget):
-    """A chain's round tells the gate how many drafts each row verifies, so that it can expect the round's tokens;
-    a tree's node counts are not a chain's prefix, so its rounds carry no expectation."""
+def test_the_decoder_gives_the_gate_what_each_round_verifies(monkeypatch, budget):
+    """A round tells the gate how many drafts each row verifies, so that it can expect the round's tokens: a chain's
+    first positions, or a tree's first nodes in join order. Their conditionals multiply up to the positions'
+    survivals or the nodes' path estimates, and the round's expected tokens are the bonus plus their sum."""
     import torch
 
     from conftest import make_drafter, make_target
@@ -444,8 +447,8 @@ def test_the_decoder_gives_the_gate_a_chains_lengths_and_a_tree_none(monkeypatch
     record = DraftGate.record
 
     def spy(self, seconds, confidences, lengths=None):
-        seen.append(None if lengths is None else list(lengths))
-        return record(self, seconds, confidences, lengths)
+        record(self, seconds, confidences, lengths)
+        seen.append((None if lengths is None else list(lengths), [list(c) for c in confidences], self.expected))
 
     monkeypatch.setattr(DraftGate, "record", spy)
     target = make_target()
@@ -456,7 +459,8 @@ def test_the_decoder_gives_the_gate_a_chains_lengths_and_a_tree_none(monkeypatch
     target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                     assistant_model=drafter)  # fmt: skip
     assert seen
-    if budget:
-        assert all(lengths is None for lengths in seen)
-    else:
-        assert all(len(lengths) == 1 and 0 <= lengths[0] <= 4 for lengths in seen)
+    for lengths, confidences, expected in seen:
+        assert len(lengths) == 1 and 0 <= lengths[0] <= (budget or 4)
+        estimates = [math.prod(confidences[0][: i + 1]) for i in range(lengths[0])]  # survivals / path estimates
+        assert expected == pytest.approx(1 + sum(estimates))
+    assert max(lengths[0] for lengths, _, _ in seen) > 1  # rounds that verified several drafts or nodes

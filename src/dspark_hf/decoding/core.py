@@ -305,7 +305,7 @@ class SpeculativeDecoder:
         limits = drafts.lengths if drafts.is_tree else caps
         drafts.lengths = self.policy.lengths(drafts.conditional, limits)
         if gate is not None:  # the survivals were read back: the time includes the device's work
-            gate.record(time.perf_counter() - start, drafts.conditional, None if drafts.is_tree else drafts.lengths)
+            gate.record(time.perf_counter() - start, drafts.conditional, drafts.lengths)
             for row, conditional in zip(self.rows, drafts.conditional):
                 row.hint = conditional
         return drafts

@@ -398,9 +398,11 @@ class DraftGate:
         self, seconds: float, confidences: Sequence[Sequence[float]], lengths: Sequence[int] | None = None
     ) -> None:
         """After a drafted round's draft pass: its wall time and every row's conditional confidences (the new
-        hints); `lengths`: the drafts each row verifies, where they are a chain's prefix (the round's expected tokens
-        then weigh in its measurement). The first pass at a row count is a warm-up (first kernels, packed weights)
-        and is not priced; later ones are averaged, a pass cheaper than the average weighted 0.5, a dearer one 0.2."""
+        hints); `lengths`: the drafts each row verifies (the round's expected tokens then weigh in its measurement):
+        a chain's first positions, or a tree's first nodes in join order, whose conditionals multiply up to the
+        nodes' path estimates, so that the same sum is the tree's expected accepted depth. The first pass at a row
+        count is a warm-up (first kernels, packed weights) and is not priced; later ones are averaged, a pass cheaper
+        than the average weighted 0.5, a dearer one 0.2."""
         rows = len(confidences)
         self.expected = None
         if lengths is not None:  # each row commits its bonus token plus the expected accepted prefix
