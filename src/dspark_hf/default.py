@@ -170,8 +170,8 @@ def _keep(target, tokenizer, kept: Path, replace: bool = False) -> bool:
         return False
     # said once per machine, at the level users see: 540 MB were written to their disk
     logger.warning(
-        f"Kept the converted default target in {kept} ({need >> 20} MB), so later loads take a second "
-        f"(`{CACHE_ENV}=<folder>` moves it, `{CACHE_ENV}=0` keeps nothing)."
+        f"Kept the converted default target in {kept} ({sum(files.values()) / 1e6:.0f} MB), so later loads take a "
+        f"second (`{CACHE_ENV}=<folder>` moves it, `{CACHE_ENV}=0` keeps nothing)."
     )
     _drop_older(kept)
     return True
