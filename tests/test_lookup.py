@@ -80,12 +80,14 @@ def _run(target, drafter, ids, lookup, **kwargs):
     return out, drafter.generation_stats
 
 
+@pytest.mark.parametrize("budget", [0, 6])  # 6: the lookup's continuation grafted into a draft tree
 @pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler"])
-def test_lookup_drafts_keep_greedy_output_identical_row_by_row(policy):
+def test_lookup_drafts_keep_greedy_output_identical_row_by_row(policy, budget):
     target = make_target(num_layers=2)
     drafter = make_drafter(
         target, num_hidden_layers=1, target_layer_ids=[0], verify_policy=policy
     )  # random: its own drafts are nearly always rejected
+    drafter.config.tree_budget = budget
     ids = _repetitive_prompts()
     for row in range(2):
         one = ids[row : row + 1]
@@ -102,13 +104,15 @@ def test_lookup_drafts_keep_greedy_output_identical_row_by_row(policy):
     assert batched.tolist() == plain.tolist() and stats.lookup_rounds > 0
 
 
+@pytest.mark.parametrize("budget", [0, 6])
 @pytest.mark.parametrize("policy", ["fixed", "threshold"])
-def test_lookup_drafts_keep_seeded_sampling_identical(policy):
+def test_lookup_drafts_keep_seeded_sampling_identical(policy, budget):
     # a random tiny target is nearly uniform: a low temperature lets it fall into the loops lookup drafts copy
     target = make_target(num_layers=2)
     drafter = make_drafter(target, num_hidden_layers=1, target_layer_ids=[0])
     prompts = _repetitive_prompts().tolist()
     drafter.config.context_lookup = 3
+    drafter.config.tree_budget = budget
     engine = Engine(target, drafter, verify_policy=policy)  # threshold: the drafter may stop sampling early
     sampled = [engine.generate([p], max_new_tokens=40, do_sample=True, temperature=0.02, seed=7)[0] for p in prompts]
     assert engine.stats["lookup_rounds"] > 0
@@ -170,3 +174,22 @@ def test_a_lookup_chain_longer_than_the_drafters_widens_the_round():
     assert drafts.conditional[0] == decoder.lookup_confidence.conditional(3, 5)
     caps = decoder._look_up(Drafts(torch.tensor([[6], [6]]), None, [1, 1], [[0.1], [0.1]]), [2, 0])
     assert caps == [2, 0]  # a cap bounds the lookup too; a row without room is left alone
+
+
+def test_a_chain_grafted_into_a_tree_shares_its_nodes_and_keeps_join_order():
+    from dspark_hf.decoding.trees import Tree, graft
+
+    tree = Tree()
+    a = tree.add(5, -1, 0.6, None)  # anchor -> 5 (0.6) -> 7 (0.3); anchor -> 8 (0.2)
+    tree.add(8, -1, 0.2, None)
+    tree.add(7, a, 0.3, None)
+    grafted, path = graft(tree, [5, 9, 4], [0.9, 0.5, 0.1], budget=16)
+    assert [grafted.path(node) for node in path] == [[5], [5, 9], [5, 9, 4]]  # 5 shared, 9 and 4 new
+    assert grafted.scores == sorted(grafted.scores, reverse=True) == [0.9, 0.5, 0.3, 0.2, 0.1]  # 5 raised to 0.9
+    assert all(p < i for i, p in enumerate(grafted.parents))  # every parent joins before its children
+    assert sorted(map(tuple, (grafted.path(i) for i in range(5)))) == [(5,), (5, 7), (5, 9), (5, 9, 4), (8,)]
+    capped, path = graft(tree, [8, 1], [0.1, 0.9], budget=16)  # a child is never above its parent
+    assert [capped.scores[node] for node in path] == [0.2, 0.2]
+    small, path = graft(tree, [5, 9, 4], [0.9, 0.5, 0.1], budget=3)  # the best three: a prefix of the join order
+    assert [small.path(i) for i in range(3)] == [[5], [5, 9], [5, 7]]
+    assert [small.path(node) for node in path] == [[5], [5, 9]]

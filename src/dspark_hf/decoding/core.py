@@ -27,6 +27,8 @@ docs/architecture.md).
 """
 
 import inspect
+import itertools
+import operator
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -44,8 +46,9 @@ from .lookup import LookupConfidence, SuffixIndex, expected_depth
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, choose_tokens, process_logits
+from .scheduler import conditional_confidences
 from .stats import RECORDERS, DraftRound
-from .trees import slot_parents, slot_paths, tree_attention_mask
+from .trees import graft, pack_trees, slot_parents, slot_paths, tree_attention_mask, unpack_trees
 
 
 SELECT_HIDDEN_STATES = True  # False: ask the target for every layer's hidden states (for side-by-side timings)
@@ -108,6 +111,7 @@ class SpeculativeDecoder:
         self.rows: list[Row] = []
         self.lookup_confidence = LookupConfidence()  # how often lookup drafts are accepted, learned as rounds verify
         self._looked_up: dict[int, int] = {}  # this round: row index -> match length of its lookup draft
+        self._lookup_paths: dict[int, list[int]] = {}  # a tree round: row index -> the grafted path's nodes
         self._joined = False  # rows joined since the last round
         self.counts = dict.fromkeys(
             ("rounds", "prefills", "request_rounds", "verified_drafts", "accepted_drafts", "compactions",
@@ -210,7 +214,7 @@ class SpeculativeDecoder:
         if not self.rows:
             return
         start = _clock(self.device) if RECORDERS else 0.0
-        self._looked_up = {}
+        self._looked_up, self._lookup_paths = {}, {}
         drafted = self._drafting_pays()
         with self._measured_threads(drafted):
             drafts = self._draft() if drafted else self._lookup_only()
@@ -219,7 +223,7 @@ class SpeculativeDecoder:
             if record is not None:
                 record.verify_seconds = _clock(self.device) - record.start - record.seconds
             accepted, bonus, processed, path_slots = self._accept(drafts, logits)
-            self._learn_lookups(drafts, accepted)
+            self._learn_lookups(drafts, accepted, path_slots)
             self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
             if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
                 self.policy.gate.end_round(sum(accepted) + len(accepted), measured=self._typical())
@@ -299,7 +303,9 @@ class SpeculativeDecoder:
         caps = self._caps()
         self._check_tree()
         drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
-        if self.context_lookup and not drafts.is_tree:
+        if self.context_lookup and drafts.is_tree:
+            self._graft_lookups(drafts, caps)
+        elif self.context_lookup:
             caps = self._look_up(drafts, caps)
         # a chain's caps bound its positions, a tree's its depth: the policy then chooses among its nodes
         limits = drafts.lengths if drafts.is_tree else caps
@@ -316,7 +322,7 @@ class SpeculativeDecoder:
         step for every row otherwise)."""
         drafts = Drafts.none(len(self.rows), self.device)
         caps = self._caps()
-        if not self.context_lookup or self.tree_budget or max(caps) == 0:
+        if not self.context_lookup or max(caps) == 0:  # (with trees on too: such a round is a chain's)
             return drafts
         caps = self._look_up(drafts, caps)
         if self._looked_up:
@@ -331,11 +337,7 @@ class SpeculativeDecoder:
         """
         caps, drafts.conditional = list(caps), list(drafts.conditional)
         for i, row in enumerate(self.rows):
-            if caps[i] < 1:
-                continue
-            if row.suffix_index is None or row.suffix_index.min_n != self.context_lookup:
-                row.suffix_index = SuffixIndex(self.context_lookup)
-            found, n = row.suffix_index.continuation(row.seq, caps[i])
+            found, n = self._continuation(row, caps[i])
             if not found:
                 continue
             conditional = self.lookup_confidence.conditional(n, len(found))
@@ -352,11 +354,48 @@ class SpeculativeDecoder:
             self._looked_up[i] = n
         return caps
 
-    def _learn_lookups(self, drafts: Drafts, accepted: list[int]) -> None:
-        """What this round's lookup drafts were worth: the confidence learns from them, the stats count them."""
+    def _continuation(self, row: Row, cap: int) -> tuple[list[int], int]:
+        """Up to `cap` tokens that followed the row's suffix where it occurred before, and the match length."""
+        if cap < 1:
+            return [], 0
+        if row.suffix_index is None or row.suffix_index.min_n != self.context_lookup:
+            row.suffix_index = SuffixIndex(self.context_lookup)
+        return row.suffix_index.continuation(row.seq, cap)
+
+    def _graft_lookups(self, drafts: Drafts, caps: list[int]) -> None:
+        """`_look_up` for trees: a row whose suffix recurs grafts what followed it there into its tree as one more
+        path (`trees.graft`), with the lookup's estimates; the policy then chooses among all the nodes, so the
+        drafter's branches and the copied one are verified together."""
+        trees = None
+        for i, row in enumerate(self.rows):
+            found, n = self._continuation(row, caps[i])
+            if not found:
+                continue
+            if trees is None:
+                survivals = [list(itertools.accumulate(c, operator.mul)) for c in drafts.conditional]
+                trees = unpack_trees(drafts.tokens, drafts.parents, drafts.lengths, survivals)
+            estimates = itertools.accumulate(self.lookup_confidence.conditional(n, len(found)), operator.mul)
+            trees[i], self._lookup_paths[i] = graft(trees[i], found, list(estimates), self.tree_budget)
+            self._looked_up[i] = n
+        if trees is not None:
+            drafts.tokens, drafts.parents, drafts.depths = pack_trees(trees, drafts.tokens.device)
+            drafts.lengths = [len(tree.tokens) for tree in trees]
+            drafts.conditional = [conditional_confidences(tree.scores) for tree in trees]
+
+    def _learn_lookups(self, drafts: Drafts, accepted: list[int], path_slots=None) -> None:
+        """What this round's lookup drafts were worth: the confidence learns from them, the stats count them. In a
+        tree, the lookup path's nodes within the verified ones count as verified, those on the accepted path as
+        accepted."""
         for i, n in self._looked_up.items():
-            self.lookup_confidence.update(n, drafts.lengths[i], accepted[i])
-            if drafts.lengths[i]:
+            verified, taken = drafts.lengths[i], accepted[i]
+            if i in self._lookup_paths:
+                path, on_path = self._lookup_paths[i], set(path_slots[i])
+                verified = sum(node < drafts.lengths[i] for node in path)
+                taken = 0  # the path's nodes at slot node + 1, from the first, while on the accepted path
+                while taken < verified and path[taken] + 1 in on_path:
+                    taken += 1
+            self.lookup_confidence.update(n, verified, taken)
+            if verified:
                 self._count("lookup_rounds", [self.rows[i]])
 
     def _verify(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:

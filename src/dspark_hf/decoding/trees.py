@@ -91,6 +91,51 @@ def grow_trees(expand, n_rows: int, caps: list[int], budget: int, settled=None) 
     return trees
 
 
+def graft(tree: Tree, chain: list[int], estimates: list[float], budget: int) -> tuple[Tree, list[int]]:
+    """`tree` with `chain` (tokens after the anchor, e.g. a lookup continuation) as one of its paths, at most
+    `budget` nodes, and the nodes of that path it kept. estimates[k]: the chain's own estimate that its first k + 1
+    tokens are accepted.
+
+    The walk from the anchor follows a child holding the chain's next token where there is one (siblings stay
+    distinct) and adds the rest as new nodes. A node on the chain keeps the larger of its two estimates, at most its
+    parent's (a node is only accepted after its parent), so estimates still never rise along a path. The nodes are
+    then put back in join order, by estimate, a parent before its children, and the first `budget` kept: the
+    best-first tree of the drafter's nodes and the chain's together.
+    """
+    tokens, parents, depths, scores = list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.scores)
+    node, path = -1, []
+    for token, estimate in zip(chain, estimates):
+        cap = 1.0 if node < 0 else scores[node]
+        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+        if child is None:
+            tokens.append(token)
+            parents.append(node)
+            depths.append(1 if node < 0 else depths[node] + 1)
+            scores.append(min(estimate, cap))
+            child = len(tokens) - 1
+        else:
+            scores[child] = min(max(scores[child], estimate), cap)
+        node = child
+        path.append(node)
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
+    new = {old: i for i, old in enumerate(order)}
+    grafted = Tree()
+    for old in order:
+        grafted.add(tokens[old], -1 if parents[old] < 0 else new[parents[old]], scores[old], None)
+    return grafted, [new[old] for old in path if old in new]  # a prefix of the path: parents are kept first
+
+
+def unpack_trees(tokens: torch.LongTensor, parents: torch.LongTensor, counts: list[int], scores: list[list[float]]):
+    """`pack_trees`' inverse for each row's first counts[r] nodes, with their path estimates (no head states)."""
+    trees = []
+    for row_tokens, row_parents, n, row_scores in zip(tokens.tolist(), parents.tolist(), counts, scores):
+        tree = Tree()
+        for token, parent, score in zip(row_tokens[:n], row_parents[:n], row_scores[:n]):
+            tree.add(token, parent - 1, score, None)  # parent slot p is node p - 1; the anchor's slot 0 is -1
+        trees.append(tree)
+    return trees
+
+
 def pack_trees(trees: list[Tree], device) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
     """tokens, parent slots and depths (B, N) of every row's nodes, N = the largest tree; padding columns hang off the
     anchor (parent slot 0, depth 1) and are never verified."""
@@ -152,4 +197,14 @@ def slot_paths(tokens: list[list[int]], parents: list[list[int]], width: int) ->
     return paths
 
 
-__all__ = ["Tree", "ancestors", "grow_trees", "pack_trees", "slot_parents", "slot_paths", "tree_attention_mask"]
+__all__ = [
+    "Tree",
+    "ancestors",
+    "graft",
+    "grow_trees",
+    "pack_trees",
+    "slot_parents",
+    "slot_paths",
+    "tree_attention_mask",
+    "unpack_trees",
+]
