@@ -382,8 +382,9 @@ class DSparkConfig(DrafterConfig):
         context_lookup (`int`): decoding only. When the last `context_lookup` or more tokens of a row occurred
             earlier in its sequence (prompt included), the tokens that followed them there are a second chain; the
             round drafts whichever chain is expected to be accepted further (`decoding/lookup.py`: copying from a
-            long document or code the drafter's window cannot see). 1..8; 0: the drafter's chains only. Chains
-            only (a tree ignores it); not exported (the engines run their own n-gram drafting).
+            long document or code the drafter's window cannot see). 1..8; 0: the drafter's chains only. With
+            `tree_budget`, the continuation is grafted into the tree as one more path; not exported (the engines
+            run their own n-gram drafting).
     """
 
     model_type = "dspark"
