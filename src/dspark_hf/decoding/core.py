@@ -41,14 +41,13 @@ from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import model_device, per_token_activations, per_token_linears
 from ..utils.compat import selects_hidden_states
 from .acceptance import accept_greedy, accept_tree
-from .drafting import candidate_generator_for
+from .drafting import candidate_generator_for, tree_drafts
 from .lookup import LookupConfidence, SuffixIndex, expected_depth
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, choose_tokens, process_logits
-from .scheduler import conditional_confidences
 from .stats import RECORDERS, DraftRound
-from .trees import graft, pack_trees, slot_parents, slot_paths, tree_attention_mask, unpack_trees
+from .trees import graft, slot_parents, slot_paths, tree_attention_mask, unpack_trees
 
 
 SELECT_HIDDEN_STATES = True  # False: ask the target for every layer's hidden states (for side-by-side timings)
@@ -304,7 +303,7 @@ class SpeculativeDecoder:
         self._check_tree()
         drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
         if self.context_lookup and drafts.is_tree:
-            self._graft_lookups(drafts, caps)
+            drafts = self._graft_lookups(drafts, caps)
         elif self.context_lookup:
             caps = self._look_up(drafts, caps)
         # a chain's caps bound its positions, a tree's its depth: the policy then chooses among its nodes
@@ -362,25 +361,21 @@ class SpeculativeDecoder:
             row.suffix_index = SuffixIndex(self.context_lookup)
         return row.suffix_index.continuation(row.seq, cap)
 
-    def _graft_lookups(self, drafts: Drafts, caps: list[int]) -> None:
+    def _graft_lookups(self, drafts: Drafts, caps: list[int]) -> Drafts:
         """`_look_up` for trees: a row whose suffix recurs grafts what followed it there into its tree as one more
         path (`trees.graft`), with the lookup's estimates; the policy then chooses among all the nodes, so the
-        drafter's branches and the copied one are verified together."""
+        drafter's branches and the copied one are verified together. Returns the drafts, new where a row grafted."""
         trees = None
         for i, row in enumerate(self.rows):
             found, n = self._continuation(row, caps[i])
             if not found:
                 continue
             if trees is None:
-                survivals = [list(itertools.accumulate(c, operator.mul)) for c in drafts.conditional]
-                trees = unpack_trees(drafts.tokens, drafts.parents, drafts.lengths, survivals)
+                trees = unpack_trees(drafts.tokens, drafts.parents, drafts.lengths, drafts.survival)
             estimates = itertools.accumulate(self.lookup_confidence.conditional(n, len(found)), operator.mul)
             trees[i], self._lookup_paths[i] = graft(trees[i], found, list(estimates), self.tree_budget)
             self._looked_up[i] = n
-        if trees is not None:
-            drafts.tokens, drafts.parents, drafts.depths = pack_trees(trees, drafts.tokens.device)
-            drafts.lengths = [len(tree.tokens) for tree in trees]
-            drafts.conditional = [conditional_confidences(tree.scores) for tree in trees]
+        return drafts if trees is None else tree_drafts(trees, drafts.tokens.device)
 
     def _learn_lookups(self, drafts: Drafts, accepted: list[int], path_slots=None) -> None:
         """What this round's lookup drafts were worth: the confidence learns from them, the stats count them. In a

@@ -252,10 +252,7 @@ class DSparkCandidateGenerator(_Generator):
             width = policy.settled_width(conditional, limits)
             return width is not None and all(len(t.tokens) >= min(width, n) for t, n in zip(trees, limits))
 
-        trees = grow_trees(expand, len(rows), caps, budget, settled if early else None)
-        tokens, parents, depths = pack_trees(trees, self.target_device)
-        conditional = [conditional_confidences(tree.scores) for tree in trees]
-        return Drafts(tokens, None, [len(t.tokens) for t in trees], conditional, parents=parents, depths=depths)
+        return tree_drafts(grow_trees(expand, len(rows), caps, budget, settled if early else None), self.target_device)
 
     def _draft_vocab_fallback(self, logits, rows, h_k, prev, state, tokens, k):
         """With a draft vocabulary, logits processors can rule out all of it for a row (e.g. a bad-words list):
@@ -270,6 +267,14 @@ class DSparkCandidateGenerator(_Generator):
         full = drafter.base_logits(h_k, self.lm_head)[:, 0] + (0 if bias is None else bias[:, 0])
         full = process_logits(rows, full[:, None], tokens, first=k)[:, 0]
         return torch.where(empty[:, None], full, logits)
+
+
+def tree_drafts(trees, device) -> Drafts:
+    """`Drafts` of one tree per row (`trees.Tree`): the nodes packed on `device`, their count, and the conditionals
+    of their path estimates in join order."""
+    tokens, parents, depths = pack_trees(trees, device)
+    conditional = [conditional_confidences(tree.scores) for tree in trees]
+    return Drafts(tokens, None, [len(tree.tokens) for tree in trees], conditional, parents=parents, depths=depths)
 
 
 def _read_back(seen: list[torch.Tensor]) -> list[list[float]]:
@@ -350,4 +355,5 @@ __all__ = [
     "Eagle3CandidateGenerator",
     "candidate_generator_for",
     "is_drafter",
+    "tree_drafts",
 ]
