@@ -27,6 +27,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .few_rows import version_counter
+
 
 ENABLED = True
 ATTN_IMPLEMENTATION = "dspark_verify_sdpa"
@@ -129,17 +131,25 @@ def _matmul_attention(query, key, value, mask, n_rep: int, scaling: float | None
     return torch.matmul(probabilities, value).reshape(batch, heads, q, dim)
 
 
-_last: dict[tuple, tuple] = {}  # kind -> (weak reference to a mask, its version, what was made of it)
+# kind -> (weak reference to a mask, its version counter, what was made of it), for the verify pass under way only:
+# `routed` empties it when a pass begins and ends
+_last: dict[tuple, tuple] = {}
 
 
 def _once_per_mask(mask: torch.Tensor, kind: tuple, make):
     """`make(mask)`, made once per forward: every layer of a pass gets the same mask tensor, so the last result of
-    each `kind` is kept (beside a weak reference to its source) until another mask comes."""
+    each `kind` is kept (beside a weak reference to its source) until another mask comes.
+
+    The same live tensor (a weak reference: a new mask at a freed one's address is never taken for it) with the same
+    in-place version counter is the same mask. A tensor made under `torch.inference_mode()` has no version counter
+    (`version_counter` reads 0): within a pass its mask is not edited between layers, and `routed` forgets every
+    kept result between passes, so a mask edited in place inside inference mode is not mistaken for its old self."""
     last = _last.get(kind)
-    if last is not None and last[0]() is mask and last[1] == mask._version:
+    version = version_counter(mask)
+    if last is not None and last[0]() is mask and last[1] == version:
         return last[2]
     made = make(mask)
-    _last[kind] = (weakref.ref(mask), mask._version, made)
+    _last[kind] = (weakref.ref(mask), version, made)
     return made
 
 
@@ -187,10 +197,12 @@ def routed(model):
         yield
         return
     model.config._attn_implementation = ATTN_IMPLEMENTATION
+    _last.clear()  # a pass's masks are its own (and the last pass's results are not kept alive past it)
     try:
         yield
     finally:
         model.config._attn_implementation = "sdpa"
+        _last.clear()
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "routable", "routed", "verify_sdpa_attention_forward"]
