@@ -100,13 +100,16 @@ def test_default_target_layer_ids_respects_num_features_and_rejects_tiny_targets
         (dict(target_layer_ids=[-1, 2]), r"contains \[-1\]"),  # negative (no Python-style indexing)
         (dict(target_layer_ids=[3, 3, 5]), r"duplicates: \[3, 3, 5\]"),
         (dict(target_layer_ids=[]), "at least one"),
-        (dict(sts_temperatures=[1.0, 1.0]), r"7 positive values.*\[1.0, 1.0\]"),
-        (dict(block_size=3, sts_temperatures=[1.0, 1.0, 1.0, 1.0]), r"3 positive values.*\[1.0, 1.0, 1.0, 1.0\]"),
+        (dict(sts_temperatures=[1.0, 1.0]), r"7 positive finite numbers.*\[1.0, 1.0\]"),
+        (
+            dict(block_size=3, sts_temperatures=[1.0, 1.0, 1.0, 1.0]),
+            r"3 positive finite numbers.*\[1.0, 1.0, 1.0, 1.0\]",
+        ),
         (dict(block_size=2, sts_temperatures=[1.0, 0.0]), r"\[1.0, 0.0\]"),
         (dict(sequential_head="none"), "confidence_with_markov.*sequential_head='none'"),
-        (dict(mask_token_id=49152), "mask_token_id=49152"),  # == vocab_size
-        (dict(mask_token_id=-1), "mask_token_id=-1"),
-        (dict(vocab_size=100, mask_token_id=100), "mask_token_id=100"),
+        (dict(mask_token_id=49152), r"`mask_token_id` must be .*0\.\.49151.*got 49152"),  # == vocab_size
+        (dict(mask_token_id=-1), "`mask_token_id`.*got -1"),
+        (dict(vocab_size=100, mask_token_id=100), r"0\.\.99.*got 100"),
         (dict(verify_policy="greedy"), "'greedy'"),
         (dict(markov_rank=0), "markov_rank.*got 0"),
         (dict(confidence_threshold=1.5), "1.5"),
@@ -198,7 +201,7 @@ def test_for_target_qwen3_small_vocabulary_falls_back_to_another_mask_token():
     target = Qwen3Config(**SMALL)
     assert DSparkConfig.for_target(target).mask_token_id == 999
     assert DSparkConfig.for_target(target, exportable=False).mask_token_id is None
-    with pytest.raises(ValueError, match="mask_token_id=151669"):
+    with pytest.raises(ValueError, match=r"`mask_token_id` must be an int in 0\.\.999 .*got 151669"):
         DSparkConfig.for_target(target, mask_token_id=151669)
 
 

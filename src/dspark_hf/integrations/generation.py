@@ -276,6 +276,7 @@ def speculative_generate(
             f"generate() with a DSpark drafter needs a prompt of at least one token; `input_ids` has shape "
             f"{tuple(input_ids.shape)} (an empty string encodes to no tokens). Give some text, or start from BOS."
         )
+    drafter.config.check_runtime_settings(drafter)  # settings changed on the live drafter, before any forward
     _check_call(model, generation_config, model_kwargs)
     drafter.config.check_target(model.config, target_tokenizer)
     eos, max_length, others = _split_stopping(stopping_criteria)

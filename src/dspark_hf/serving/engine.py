@@ -106,6 +106,7 @@ class Engine:
                     "`drafter` must be a DSpark or EAGLE-3 drafter of this package (config.model_type 'dspark' or "
                     f"'dspark_eagle3'), got {type(drafter).__name__}."
                 )
+            drafter.config.check_runtime_settings(drafter)
             drafter.config.check_target(target.config, tokenizer)
             policy = VerifyPolicy.for_drafter(
                 drafter, target, verify_policy, sps=sps, max_rows=max_batch_size, gate_drafts=gate_drafts,
@@ -168,6 +169,8 @@ class Engine:
         and load, with or without a drafter (None: a fresh random seed, kept in `request.seed`). Returns the
         `Request` to stream or wait on.
         """
+        if self.drafter is not None:  # rounds read the drafter's settings: changed since construction, refused here
+            self.drafter.config.check_runtime_settings(self.drafter)
         prompt = prompt_token_ids(input_ids, self.vocab_size, self.tokenizer)
         check_sampling_settings(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
         eos = self.target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
