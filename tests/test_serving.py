@@ -204,6 +204,34 @@ BAD_REQUESTS = [
         400,
         "tools",
     ),
+    # a lone UTF-16 surrogate is valid JSON but no text: every text field that is tokenized or matched
+    ("/v1/completions", {"prompt": "\ud800"}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "ab\udfff"}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a\ud800"]}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop": "\ud800"}, None, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": ["x", "y\udc00"]}, None, 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, None, 400, "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b\ud83d"}]},
+        None,
+        400,
+        "messages[1].content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udbff"}]}]},
+        None,
+        400,
+        "messages[0].content[0]",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "stop": ["\ud800"]},
+        None,
+        400,
+        "stop",
+    ),
 ]
 
 
@@ -213,6 +241,16 @@ def test_bad_requests_get_4xx_naming_the_field(served, path, body, raw, status, 
     code, reply = post(server, path, body, raw=raw)
     assert code == status and reply["error"]["param"] == param and reply["error"]["message"]
     assert reply["error"]["type"] == "invalid_request_error"
+    if "surrogate" in reply["error"]["message"]:
+        assert f"`{param}`" in reply["error"]["message"]
+
+
+def test_a_lone_surrogate_is_named_with_its_position(served):
+    """A lone surrogate in JSON (`"\\ud800"`) gets a 400 saying what and where, not a tokenizer's 500."""
+    code, reply = post(served[0], "/v1/completions", {"prompt": "abc\ud800"})
+    message = reply["error"]["message"]
+    assert code == 400 and "`prompt`" in message and "lone UTF-16 surrogate" in message and "\\ud800" in message
+    assert "character 3" in message and "\n" not in message
 
 
 def test_huge_max_tokens_is_clipped_to_the_context(served):

@@ -118,6 +118,20 @@ def _boolean(body, name, default=False):
     return value
 
 
+def _text(value: str, param: str) -> str:
+    """`value`, refused if it holds a lone UTF-16 surrogate: JSON can spell one (`"\\ud800"`), but it is no text, so
+    no tokenizer can encode it and no generated text can contain it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ProtocolError(
+            f"`{param}` is not valid Unicode text: it holds a lone UTF-16 surrogate ({value[err.start]!r} at "
+            f"character {err.start}); send text as UTF-8, with surrogates only in pairs.",
+            param,
+        ) from None
+    return value
+
+
 def _check_fields(body: dict, chat: bool) -> None:
     unsupported = {**_UNSUPPORTED_COMMON, **(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)}
     known = _COMMON | (_CHAT if chat else {"prompt"}) | set(unsupported)
@@ -141,7 +155,7 @@ def _stop_sequences(body) -> list[str]:
         raise ProtocolError("`stop` must be a non-empty string or a list of non-empty strings.", "stop")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise ProtocolError(f"`stop` holds at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}.", "stop")
-    return stops
+    return [_text(s, "stop") for s in stops]
 
 
 def _generation(body: dict, prompt_len: int, limits: ServingLimits, default_max_tokens: int | None) -> dict:
@@ -171,7 +185,7 @@ def _prompt_ids(prompt, vocab_size: int, tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
-        ids = encode(tokenizer, {"prompt": prompt})[0].tolist()
+        ids = encode(tokenizer, {"prompt": _text(prompt, "prompt")})[0].tolist()
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -199,9 +213,11 @@ def _messages(messages) -> list[dict]:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ProtocolError(f"`{where}.content[{j}]` must be a text part.", f"{where}.content[{j}]")
+                _text(part["text"], f"{where}.content[{j}]")
             content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
             raise ProtocolError(f"`{where}.content` must be a string or a list of text parts.", f"{where}.content")
+        _text(content, f"{where}.content")
         out.append({"role": message["role"], "content": content})
     return out
 
