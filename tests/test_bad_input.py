@@ -183,6 +183,8 @@ def cases(root, dead_port):
                 ("0-byte .npz", "zero_bytes.npz", "is not a readable .npz token dataset (the file is empty)"),
                 (".npz without arrays", "no_arrays.npz", "lacks the array(s) ['tokens', 'offsets'"),
                 ("0 sequences", "no_sequences.npz", "no_sequences.npz holds no sequences"),
+                # numpy said "pickled data ... allow_pickle=False", naming neither the file's kind nor the fix
+                ("a JSONL file", "good.jsonl", "good.jsonl is not a .npz token dataset (it is not a zip archive"),
             ]
         },
         "calibrate too short": (
@@ -207,6 +209,22 @@ def cases(root, dead_port):
         "calibrate --out = --drafter": (
             ["calibrate", "--data", data, "--drafter", drafter, "--out", drafter, "--overwrite"],
             "the drafter being calibrated, which is never changed in place",
+        ),
+        # an earlier run's output_dir is never trained over
+        "train output_dir not empty": (
+            ["train", "--set", f"data={data}", f"output_dir={drafter}"],
+            "/drafter is not empty (it holds acceptance.py, checkpoints.py, compat.py, ...); pass resume=True "
+            "(--resume) to continue the run in it, or overwrite=True (--overwrite) to replace it with a new run",
+        ),
+        # the shipped drafter has a context window, which DeepSpec cannot carry: the way to export it anyway
+        "export the shipped drafter to deepspec": (
+            ["export", "--out", root / "out"],
+            "(`context_window` = 512: each block attends to the 512 positions before it), which the DeepSpec format "
+            "cannot carry. Export it with --format speculators",
+        ),
+        "export --drop-context-window speculators": (
+            ["export", "--format", "speculators", "--drop-context-window", "--out", root / "out"],
+            "--drop-context-window applies to --format deepspec",
         ),
         # a mistyped local path shaped like a Hub id (HF_HUB_OFFLINE in the tests: it cannot be fetched)
         "export --drafter drafters/mine": (

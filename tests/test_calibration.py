@@ -121,3 +121,32 @@ def test_calibrate_cli_writes_a_calibrated_copy_to_out(tmp_path):
     assert (tmp_path / "drafter/config.json").read_bytes() == original  # the drafter it read is unchanged
     assert not (tmp_path / "drafter/calibration.json").exists()
     assert len(report["cross_fitted"]["ece"]) == 3 and report["folds"] == 2
+
+
+def test_calibrate_cli_refuses_a_used_out_and_overwrites_it_whole(tmp_path, capsys):
+    """`--out` holding other files: refused without `--overwrite` (one line, before any model loads); with it, the
+    folder is replaced by the calibrated copy alone (nothing of what was there stays mixed in)."""
+    from dspark_hf import DSparkDraftModel
+    from dspark_hf.cli import main
+    from helpers import char_tokenizer
+
+    target = make_target()
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(99).save_pretrained(tmp_path / "target")
+    make_drafter(target, block_size=3).save_pretrained(tmp_path / "drafter")
+    seqs = [torch.randint(0, 99, (30,)).tolist() for _ in range(6)]
+    TokenDataset.from_sequences(seqs, [2] * 6).save(tmp_path / "heldout.npz")
+    out = tmp_path / "calibrated"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    argv = ["calibrate", "--data", tmp_path / "heldout.npz", "--seq-len", 32, "--batches", 2, "--anchors", 8]
+    argv = [str(a) for a in [*argv, "--target", tmp_path / "target", "--drafter", tmp_path / "drafter", "--out", out]]
+    capsys.readouterr()  # the progress bars of the saves above
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} exists and is not an empty folder; pass --overwrite" in err and err.count("\n") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert main([*argv, "--overwrite"]) == 0
+    assert not (out / "notes.txt").exists() and (out / "calibration.json").is_file()
+    assert DSparkDraftModel.from_pretrained(out).config.sts_temperatures is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrated", "drafter", "heldout.npz", "target"]

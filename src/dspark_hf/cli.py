@@ -98,12 +98,28 @@ def _check_dataset(paths: str, option: str):
 
     for path in [p.strip() for p in paths.split(",") if p.strip()]:
         _check_file(path, option)
+        _check_npz(path, option)
     try:
         dataset = TokenDataset.load(paths)
     except ValueError as err:
         raise ValueError(f"{option}: {err}") from None
     _require(len(dataset) > 0, f"{option} {paths} holds no sequences; build a dataset with `dspark-hf data`.")
     return dataset
+
+
+def _check_npz(path: str, option: str) -> None:
+    """A token dataset is a .npz (a zip archive): any other file (JSONL prompts, text, a pickle) is named as such,
+    instead of numpy's word on what it tried (e.g. "pickled data ... allow_pickle=False")."""
+    import zipfile
+
+    file = Path(path).expanduser()
+    if file.stat().st_size == 0 or zipfile.is_zipfile(file):
+        return  # an empty file, or a .npz: TokenDataset.load says what is wrong with it, if anything
+    raise ValueError(
+        f"{option} {path} is not a .npz token dataset (it is not a zip archive, which a .npz is). Make one with "
+        "`dspark-hf data --out FOLDER`: the target answers prompts, and FOLDER/train.npz and FOLDER/heldout.npz hold "
+        "the token sequences."
+    )
 
 
 def _check_out_folder(out, option: str, overwrite: bool, keep_out=()) -> Path:
@@ -491,17 +507,18 @@ def _check_training_paths(config) -> None:
 
 def cmd_train(args) -> int:
     from .training.config import DSparkTrainingConfig
-    from .training.trainer import DSparkTrainer, check_resume
+    from .training.trainer import DSparkTrainer, check_output_dir, check_resume
 
     _at_least(args, 1, "stop_after")
     config = DSparkTrainingConfig.from_file(args.config, args.set)
     _require(bool(config.data), "train needs a token dataset: --set data=FILE.npz (from `dspark-hf data`).")
     _check_training_paths(config)
+    check_output_dir(config.output_dir, args.resume, args.overwrite)  # an earlier run is never trained over
     if args.resume:
         check_resume(config)  # a refused change or damaged checkpoints fail before the target loads
     target = _training_target(config)
     trainer = DSparkTrainer(config, target)
-    drafter = trainer.train(resume=args.resume, stop_after=args.stop_after)
+    drafter = trainer.train(resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
     print(f"step {trainer.step}/{config.max_steps}; checkpoints in {config.output_dir}")
     return 0 if drafter is not None else 1
 
@@ -592,8 +609,16 @@ def cmd_export(args) -> int:
     from .models.modeling_dspark import DSparkDraftModel
 
     args.drafter = args.drafter or str(DEFAULT_DRAFTER_DIR)
-    _check_model_path(args.drafter, "--drafter", drafter=True)
+    config = _check_model_path(args.drafter, "--drafter", drafter=True)
     _check_model_path(args.target, "--target")
+    _require(
+        args.format == "deepspec" or not args.drop_context_window,
+        f"--drop-context-window applies to --format deepspec; --format {args.format} keeps the drafter's window.",
+    )
+    if args.format == "deepspec" and getattr(config, "context_window", None) and not args.drop_context_window:
+        from .integrations.export import window_refusal
+
+        raise ValueError(window_refusal(config))  # before any model loads
     _check_out_folder(args.out, "--out", args.overwrite)
     tokenizer = None
     if args.target is None:
@@ -624,13 +649,14 @@ def cmd_export(args) -> int:
         return 0
     from .integrations.deepspec import export_deepspec
 
-    out = export_deepspec(drafter, target, args.out, overwrite=args.overwrite)
+    out = export_deepspec(
+        drafter, target, args.out, overwrite=args.overwrite, drop_context_window=args.drop_context_window
+    )
     print(f"wrote a DeepSpec ({args.format}) checkpoint to {out}")
     return 0
 
 
 def cmd_calibrate(args) -> int:
-    from .models.configuration_dspark import DSparkConfig
     from .training.calibration import (
         MIN_BLOCKS,
         calibration_report,
@@ -638,8 +664,8 @@ def cmd_calibrate(args) -> int:
         count_full_blocks,
         fit_sts,
         reliability_diagram,
+        write_calibrated_copy,
     )
-    from .utils.files import atomic_write_json
 
     package = Path(__file__).resolve().parent
     drafter_path = args.drafter or str(package / "default_drafter")  # the shipped drafter is read, never written
@@ -672,13 +698,7 @@ def cmd_calibrate(args) -> int:
     report = calibration_report(logits, labels, temps)
     report["shipped"] = calibration_report(logits, labels, drafter.sts_temperatures, folds=0)["after"]  # its own T
     report["quantize"] = args.quantize
-    _copy_checkpoint(drafter_path, out)
-    config = DSparkConfig.from_pretrained(out)
-    config.sts_temperatures = [float(t) for t in temps]
-    tmp = out / ".config.json.tmp"
-    config.to_json_file(tmp)
-    tmp.replace(out / "config.json")  # atomic: the old config stays intact until the new one is complete
-    atomic_write_json(report, out / "calibration.json")
+    write_calibrated_copy(_local_checkpoint(drafter_path), out, temps, report, overwrite=args.overwrite)
     shipped_ece, fitted_ece = (sum(report[k]["ece"]) / len(temps) for k in ("shipped", "cross_fitted"))
     print(f"mean ECE with the checkpoint's temperatures {shipped_ece:.4f} -> refitted (cross-fitted) {fitted_ece:.4f}")
     if args.png:
@@ -711,19 +731,14 @@ def _too_short(data, block_size: int, found: str) -> str:
     )
 
 
-def _copy_checkpoint(source, out: Path) -> None:
-    """The drafter checkpoint's files (a local folder, or a Hub snapshot from the cache) copied into `out`."""
-    import shutil
-
+def _local_checkpoint(source) -> Path:
+    """The drafter checkpoint's folder: a local folder, or its Hub snapshot from the cache."""
     folder = Path(source).expanduser()
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
 
         folder = Path(snapshot_download(str(source)))
-    out.mkdir(parents=True, exist_ok=True)
-    for path in folder.iterdir():
-        if path.is_file() and not path.name.startswith("."):
-            shutil.copyfile(path, out / path.name)
+    return folder
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -927,6 +942,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="training config (JSON or YAML); see DSparkTrainingConfig")
     train.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in a non-empty output_dir: it replaces the earlier run there once it has its first "
+        "checkpoint (without --resume or --overwrite, a non-empty output_dir is refused)",
+    )
     train.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N more steps")
     train.set_defaults(func=cmd_train)
 
@@ -1022,6 +1043,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="gguf: tensor type (auto: f16, or bf16 when weights lie below float16's range)",
     )
     export.add_argument("--converter-python", help="gguf: Python with llama.cpp's converter requirements")
+    export.add_argument(
+        "--drop-context-window",
+        action="store_true",
+        help="deepspec: export a drafter that has a context_window (the shipped default has 512) without it, as the "
+        "DeepSpec format has no sliding window. The weights are the same, but the engine's drafter then attends to "
+        "the whole context: on prompts longer than the window its drafts, and so acceptance and speed-up, may differ "
+        "from what the drafter was measured with; the output is still the target's. speculators and gguf keep the "
+        "window.",
+    )
     export.set_defaults(func=cmd_export)
     parser.commands = dict(sub.choices)
     for command in sub.choices.values():  # `dspark-hf bench ... --debug` as well as `dspark-hf --debug bench ...`

@@ -61,7 +61,8 @@ from transformers.utils import logging
 from ..models.configuration_dspark import _GEMMA4_FAMILIES, DSparkConfig
 from ..models.modeling_dspark import DSparkDraftModel
 from ..utils.checkpoints import check_checkpoint_files, read_config_file
-from .export import window_blockers, write_folder
+from ..utils.files import check_folder_free
+from .export import window_blockers, window_refusal, write_folder
 
 
 logger = logging.get_logger(__name__)
@@ -389,6 +390,12 @@ def resolve_deepspec_folder(path: str | os.PathLike, kwargs: dict) -> Path | Non
         return None
 
 
+def _window_reasons(config: DSparkConfig) -> list[str]:
+    """The context window among the reasons a drafter's weights do not export (it alone would not stop them)."""
+    blockers = window_blockers(config)
+    return [f"`{field}` = {reason} (drop_context_window=True exports without it)" for field, reason in blockers]
+
+
 def _check_exportable_gemma4(config: DSparkConfig) -> None:
     """Raise `ValueError` for `draft_layer="gemma4"` drafters that Gemma4DSparkModel cannot represent exactly."""
     reasons = []
@@ -398,20 +405,29 @@ def _check_exportable_gemma4(config: DSparkConfig) -> None:
         reasons.append("it learns a mask embedding (`mask_token_id=None`); DeepSpec needs a vocabulary mask token")
     if config.mlp_bias:
         reasons.append("its MLP has biases (`mlp_bias=True`); Gemma-4's has none")
-    reasons += [f"`{field}` = {reason}" for field, reason in window_blockers(config)]
     if reasons:
+        reasons += _window_reasons(config)
         raise ValueError(
             "This drafter has no DeepSpec (Gemma4DSparkModel) equivalent: " + "; ".join(reasons) + ". Build it with "
             "DSparkConfig.for_target(<the Gemma-4 target's config>) (mask token 4) and train it, then export it."
         )
 
 
-def _check_exportable(drafter: DSparkDraftModel, target) -> None:
-    """Raise `ValueError` for drafters that DeepSpec's Qwen3DSparkModel / Gemma4DSparkModel cannot represent."""
+def _check_exportable(drafter: DSparkDraftModel, target, drop_context_window: bool = False) -> None:
+    """Raise `ValueError` for drafters that DeepSpec's Qwen3DSparkModel / Gemma4DSparkModel cannot represent: weights
+    of another layout (to be rebuilt and trained again), or, unless `drop_context_window`, a context window."""
     config = drafter.config
     config.check_target(target.config)
     if config.draft_layer == "gemma4":
-        return _check_exportable_gemma4(config)
+        _check_exportable_gemma4(config)
+    else:
+        _check_exportable_qwen3(config)
+    if window_blockers(config) and not drop_context_window:
+        raise ValueError(window_refusal(config))
+
+
+def _check_exportable_qwen3(config: DSparkConfig) -> None:
+    """Raise `ValueError` for drafters whose weights Qwen3DSparkModel cannot represent."""
     if config.target_model_type.startswith("gemma") or config.final_logit_softcapping is not None:
         raise ValueError(
             f"This drafter was made for a {config.target_model_type!r} (Gemma-family) target and has no DeepSpec "
@@ -429,8 +445,8 @@ def _check_exportable(drafter: DSparkDraftModel, target) -> None:
         reasons.append("it learns a mask embedding (`mask_token_id=None`); DeepSpec needs a vocabulary mask token")
     if config.mlp_bias:
         reasons.append("its MLP has biases (`mlp_bias=True`); Qwen3's has none")
-    reasons += [f"`{field}` = {reason}" for field, reason in window_blockers(config)]
     if reasons:
+        reasons += _window_reasons(config)
         raise ValueError(
             "This drafter has no DeepSpec (Qwen3DSparkModel) equivalent: " + "; ".join(reasons) + ". Weights cannot "
             "be converted afterwards: build the drafter with DSparkConfig.for_target(target.config, use_qk_norm=True, "
@@ -521,6 +537,7 @@ def export_deepspec(
     out_dir: str | os.PathLike,
     num_anchors: int = DEFAULT_NUM_ANCHORS,
     overwrite: bool = False,
+    drop_context_window: bool = False,
 ) -> Path:
     """Write `drafter` as a DeepSpec `Qwen3DSparkModel` or `Gemma4DSparkModel` checkpoint (`config.json` +
     `model.safetensors`).
@@ -529,18 +546,30 @@ def export_deepspec(
     dtype), as DeepSpec stores them. `draft_layer="gemma4"` drafters of Gemma-4 targets become Gemma4DSparkModel.
     Qwen3DSparkModel is used for every other exportable target (Qwen3, Llama, Mistral, Qwen2, ...): its decoder layer
     is exactly ours with QK-norm, so the drafter needs `use_qk_norm=True`; both need a vocabulary `mask_token_id`;
-    other Gemma-family drafters are refused (see the module docstring). `ValueError` says which condition fails. The
-    folder is written under a temporary name next to `out_dir` and renamed into place.
+    other Gemma-family drafters are refused (see the module docstring). `ValueError` says which condition fails.
+
+    A drafter with a `context_window` is refused too, as the format has no sliding window, unless
+    `drop_context_window`: then the same weights are written without the window (the drafter itself is unchanged),
+    and an engine's drafter attends to the whole context, so on prompts longer than the window its drafts may differ
+    from this drafter's (the acceptance with them; never the output).
+
+    A non-empty `out_dir` is refused unless `overwrite`; the folder is written under a temporary name next to
+    `out_dir` and renamed into place once complete (`utils.files.write_folder`).
     """
-    _check_exportable(drafter, target)
+    _check_exportable(drafter, target, drop_context_window)
+    check_folder_free(out_dir, overwrite)  # before any conversion work
     if drafter.config.sequential_head in ("gated_markov", "rnn"):
         logger.warning(
             f"Exporting a {drafter.config.sequential_head!r} sequential head: DeepSpec loads it, but vLLM's "
             "Qwen3DSparkModel implements only the vanilla Markov head (`sequential_head='markov'`)."
         )
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # before any conversion work
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it.")
+    if window_blockers(drafter.config):
+        window = drafter.config.context_window
+        logger.warning(
+            f"Exporting without the drafter's context_window ({window}): the DeepSpec format has no sliding window, "
+            f"so an engine's drafter attends to the whole context, and on prompts longer than {window} tokens its "
+            "drafts may differ from this drafter's (acceptance may drop; the output is the target's either way)."
+        )
     dtype = drafter.dtype
     state_dict = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
     if state_dict.pop("draft_vocab_ids", None) is not None:

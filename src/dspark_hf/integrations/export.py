@@ -11,12 +11,11 @@ learned mask vector is not any token's embedding; QK-norm changes every attentio
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from ..models.configuration_dspark import DSparkConfig
-from ..utils.files import new_folder_beside
+from ..utils import files
 
 
 def export_blockers(config: DSparkConfig) -> list[tuple[str, str]]:
@@ -46,19 +45,24 @@ def export_blockers(config: DSparkConfig) -> list[tuple[str, str]]:
 
 def window_blockers(config: DSparkConfig) -> list[tuple[str, str]]:
     """The bounded context window (`context_window`), which the DeepSpec export does not carry (the speculators
-    format and GGUF do, as a sliding window): DeepSpec's draft layer would attend to the whole context and draft from
-    another distribution than the drafter was measured with."""
+    format and GGUF do, as a sliding window). It is no property of the weights: `window_refusal` says how to export
+    the drafter without it, and what that changes."""
     if getattr(config, "context_window", None) is None:
         return []
-    return [
-        (
-            "context_window",
-            f"{config.context_window}: the DeepSpec export has no sliding window, so its draft layer would attend to "
-            "the whole context (the speculators and GGUF formats carry the window); set "
-            "`drafter.config.context_window = None` before exporting if the drafter was trained without a window "
-            "(acceptance on long prompts may then drop)",
-        )
-    ]
+    return [("context_window", f"{config.context_window}: the DeepSpec format has no sliding window")]
+
+
+def window_refusal(config: DSparkConfig) -> str:
+    """Why a drafter with a `context_window` is not exported to DeepSpec as it is, and the two ways to export it."""
+    window = config.context_window
+    return (
+        f"This drafter drafts from a bounded context window (`context_window` = {window}: each block attends to the "
+        f"{window} positions before it), which the DeepSpec format cannot carry. Export it with --format speculators "
+        "(vLLM) or gguf (llama.cpp), which keep the window, or pass drop_context_window=True (dspark-hf export "
+        f"--drop-context-window) to export the same weights without it: the engine's drafter then attends to the "
+        f"whole context, so on prompts longer than {window} tokens its drafts, and so the acceptance and speed-up, "
+        "may differ from what this drafter was measured with (the output stays the target's)."
+    )
 
 
 def check_exportable(config: DSparkConfig, engine: str) -> None:
@@ -75,27 +79,16 @@ def check_exportable(config: DSparkConfig, engine: str) -> None:
 
 
 def write_folder(out_dir: str | os.PathLike, overwrite: bool, write: Callable[[Path], None]) -> Path:
-    """Call `write(tmp)` on a temporary folder next to `out_dir`, then rename it into place (atomic for readers).
+    """`utils.files.write_folder`: `write(tmp)` on a folder beside `out_dir`, renamed into place once complete.
 
-    `FileExistsError` when `out_dir` exists, is not empty and `overwrite` is False.
+    `FileExistsError` (before `write` runs) when `out_dir` is not empty and `overwrite` is False; an overwritten
+    folder keeps its old content until the new one is complete.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it.")
-    tmp = new_folder_beside(out_dir)
-    try:
-        write(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return files.write_folder(out_dir, write, overwrite=overwrite)
 
 
 def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-__all__ = ["check_exportable", "export_blockers", "window_blockers", "write_folder", "write_json"]
+__all__ = ["check_exportable", "export_blockers", "window_blockers", "window_refusal", "write_folder", "write_json"]

@@ -8,13 +8,12 @@ trust_remote_code=True)` works for users who do not pip install this package.
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 from transformers.utils import logging
 
-from ..utils.files import atomic_write_json, atomic_write_text, new_folder_beside
+from ..utils.files import atomic_write_json, atomic_write_text, check_folder_free, write_folder
 from .remote_code import write_flat
 
 
@@ -203,7 +202,14 @@ def _strip_remote_code(folder: Path) -> None:
 
 
 def save_for_hub(
-    drafter, out_dir, results=None, profile=None, training=None, calibration=None, with_code: bool = True
+    drafter,
+    out_dir,
+    results=None,
+    profile=None,
+    training=None,
+    calibration=None,
+    with_code: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Write a complete Hub folder atomically: weights, code (auto_map), README.md, profile, custom_generate/.
 
@@ -212,18 +218,22 @@ def save_for_hub(
     `trainer_state.json`). `with_code=False` leaves out the remote code (modeling files, `auto_map`,
     `custom_generate/`): for a checkpoint that is only ever loaded with this package installed, such as the
     embedded default inside it.
+
+    A non-empty `out_dir` is refused (`FileExistsError`, before anything is written) unless `overwrite`; the folder is
+    filled beside `out_dir` and renamed into place once complete, so an overwritten folder keeps its old content
+    until then (`utils.files.write_folder`).
     """
     from ..decoding.profiling import PROFILE_FILE, load_profile
 
+    check_folder_free(out_dir, overwrite)  # before reading or writing anything
     if profile is None and (path := _beside_checkpoint(drafter, PROFILE_FILE)) is not None:
         profile = load_profile(path)
     if calibration is None and (path := _beside_checkpoint(drafter, CALIBRATION_FILE)) is not None:
         calibration = json.loads(path.read_text(encoding="utf-8"))
     if training is None and (path := _beside_checkpoint(drafter, "trainer_state.json")) is not None:
         training = json.loads(path.read_text(encoding="utf-8"))  # step, held-out τ, the training settings
-    out_dir = Path(out_dir)
-    tmp = new_folder_beside(out_dir, "hub")
-    try:
+
+    def write(tmp: Path) -> None:
         drafter.save_pretrained(tmp)
         if not with_code:
             _strip_remote_code(tmp)
@@ -234,12 +244,8 @@ def save_for_hub(
         if with_code:
             write_custom_generate(tmp)
         (tmp / "README.md").write_text(model_card(drafter.config, results, profile, training, calibration))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return write_folder(out_dir, write, overwrite=overwrite)
 
 
 def push_to_hub(

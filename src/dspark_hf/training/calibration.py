@@ -7,9 +7,20 @@ T_1..T_{k-1} fixed. Temperature scaling keeps the ranking, so AUROC is unchanged
 Labels come from held-out data under teacher forcing: a block's prefix of length k "survives" when its first k
 drafts are what the target would emit (greedy) — then the teacher-forced inputs equal the drafted ones, so the
 confidence logits are exactly those seen at inference on every surviving prefix.
+
+`write_calibrated_copy` writes what `dspark-hf calibrate` gives: a copy of the drafter with the fitted temperatures.
 """
 
+import os
+import shutil
+from pathlib import Path
+
 import torch
+
+from ..utils.files import atomic_write_json, check_folder_free, write_folder
+
+
+REPORT_FILE = "calibration.json"  # the report, beside the calibrated copy's config.json
 
 
 DEFAULT_GRID = torch.exp(torch.linspace(-2.5, 2.5, 101))  # T from ~0.08 to ~12, log-spaced
@@ -173,6 +184,32 @@ def reliability_diagram(logits, prefix_labels, temperatures, png_path, bins: int
     plt.close(fig)
 
 
+def write_calibrated_copy(
+    source: str | os.PathLike, out: str | os.PathLike, temperatures, report: dict, overwrite: bool = False
+) -> Path:
+    """Write a calibrated copy of the drafter checkpoint in the local folder `source` to `out`: its files, with
+    `sts_temperatures` = `temperatures` in config.json, and `report` as calibration.json. `source` is only read.
+
+    A non-empty `out` is refused unless `overwrite`; the copy is made in a folder beside `out` and renamed into place
+    once complete, so an overwritten `out` keeps its old content until then (`utils.files.write_folder`).
+    """
+    from ..models.configuration_dspark import DSparkConfig
+
+    source = Path(source).expanduser()
+    check_folder_free(out, overwrite)
+
+    def write(tmp: Path) -> None:
+        for path in source.iterdir():
+            if path.is_file() and not path.name.startswith("."):
+                shutil.copyfile(path, tmp / path.name)
+        config = DSparkConfig.from_pretrained(tmp)
+        config.sts_temperatures = [float(t) for t in temperatures]
+        config.to_json_file(tmp / "config.json")
+        atomic_write_json(report, tmp / REPORT_FILE)
+
+    return write_folder(out, write, overwrite=overwrite)
+
+
 __all__ = [
     "expected_calibration_error",
     "auroc",
@@ -182,4 +219,5 @@ __all__ = [
     "collect_confidence",
     "cross_fitted_survival",
     "reliability_diagram",
+    "write_calibrated_copy",
 ]

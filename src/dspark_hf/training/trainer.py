@@ -26,6 +26,7 @@ from transformers.utils import logging
 from ..models.configuration_dspark import DSparkConfig
 from ..models.configuration_eagle3 import Eagle3Config
 from ..models.modeling_dspark import DSparkDraftModel
+from ..utils.files import replace_folder
 from .config import DSparkTrainingConfig
 from .dataset import TokenDataset
 from .features import FeatureCache
@@ -286,6 +287,23 @@ def check_resume(config: DSparkTrainingConfig) -> tuple[Path, dict] | None:
     return folder, state
 
 
+def check_output_dir(output_dir: str | Path, resume: bool = False, overwrite: bool = False) -> None:
+    """A fresh run (not `resume`) needs an absent or empty `output_dir`, or `overwrite`: `FileExistsError` in one line
+    otherwise, naming the folder and both ways on (`--resume` continues the run there). A file there is refused."""
+    output_dir = Path(output_dir).expanduser()
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"output_dir {output_dir} is a file, not a folder; choose another output_dir.")
+    if resume or overwrite or not output_dir.is_dir():
+        return
+    entries = sorted(p.name for p in output_dir.iterdir())
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise FileExistsError(
+            f"output_dir {output_dir} is not empty (it holds {shown}); pass resume=True (--resume) to continue the "
+            "run in it, or overwrite=True (--overwrite) to replace it with a new run, or choose another output_dir."
+        )
+
+
 class DSparkTrainer:
     """Trains a DSpark drafter for `target` on a `TokenDataset`; see `DSparkTrainingConfig` for the knobs."""
 
@@ -311,6 +329,7 @@ class DSparkTrainer:
         self.scheduler = self._build_scheduler()
         self.step = 0
         self.output_dir = Path(config.output_dir)
+        self._replaces = None  # an overwriting run: the output_dir its staging folder replaces at its first checkpoint
         self.heldout = TokenDataset.load(config.heldout) if config.heldout else None
         self.best_tau = 0.0
         self.vocab_ids = vocab_shortlist(
@@ -365,7 +384,13 @@ class DSparkTrainer:
             os.replace(pointer, self.output_dir / "latest")
             self._prune_checkpoints()
         self.accelerator.wait_for_everyone()
-        return final
+        if self._replaces is not None:  # an overwriting run's first checkpoint: the new run replaces the old one now
+            if self.accelerator.is_main_process:
+                replace_folder(self.output_dir, self._replaces)
+            self.output_dir, self._replaces = self._replaces, None
+            self.accelerator.wait_for_everyone()
+            logger.info(f"Replaced the earlier run in {self.output_dir} (overwrite).")
+        return self.output_dir / final.name
 
     def _prune_checkpoints(self) -> None:
         done = sorted(self.output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -523,11 +548,34 @@ class DSparkTrainer:
         self.total_steps = min(self.config.max_steps, max(fit, self.step))
         return min(limit, fit)
 
-    def train(self, resume: bool = False, stop_after: int | None = None) -> DSparkDraftModel:
+    def _prepare_output_dir(self, resume: bool, overwrite: bool) -> None:
+        """`check_output_dir`, then: an overwriting fresh run writes into a hidden folder beside `output_dir`, which
+        replaces it at the run's first checkpoint (`save_checkpoint`), so a run killed before that leaves the earlier
+        one as it was. A trainer past step 0 (resumed with `resume()`, or trained before) continues its own run."""
+        resume = resume or self.step > 0
+        check_output_dir(self.output_dir, resume, overwrite)
+        used = self.output_dir.is_dir() and any(self.output_dir.iterdir())
+        if resume or not used:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            return
+        final = self.output_dir.resolve()  # a link: its folder is replaced, the link stays
+        staging = final.with_name(f".{final.name}.overwrite")  # one name on every rank; a leftover is a dead run's
+        if self.accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+        self.accelerator.wait_for_everyone()
+        self.output_dir, self._replaces = staging, final
+        logger.warning(f"overwrite: this run replaces the one in {final} once it has its first checkpoint.")
+
+    def train(self, resume: bool = False, stop_after: int | None = None, overwrite: bool = False) -> DSparkDraftModel:
         """Run to `max_steps`, or for `max_time` seconds, or stop after `stop_after` more steps; each ends with a
-        checkpoint."""
+        checkpoint.
+
+        `resume` continues from the newest intact checkpoint in `output_dir` (a fresh start when it holds none). A
+        fresh run into a non-empty `output_dir` is refused unless `overwrite`, which replaces the earlier run once
+        this one has its first checkpoint (until then the earlier run stays as it was)."""
         cfg = self.config
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._prepare_output_dir(resume, overwrite)
         if resume:
             self.resume()
         log_path = self.output_dir / "log.jsonl"

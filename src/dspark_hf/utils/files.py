@@ -1,10 +1,12 @@
-"""Files a user keeps: JSON written atomically (never half-written) and JSONL read line by line (plain or
-gzipped)."""
+"""Files a user keeps: JSON written atomically (never half-written), folders written atomically and never over a
+user's files unless told to (`write_folder`), and JSONL read line by line (plain or gzipped)."""
 
 import gzip
 import json
 import os
 import secrets
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -41,6 +43,57 @@ def new_folder_beside(path: str | os.PathLike, tag: str = "tmp") -> Path:
             return folder
         except FileExistsError:
             continue
+
+
+def check_folder_free(path: str | os.PathLike, overwrite: bool = False, how: str = "overwrite=True") -> Path:
+    """`path` as a Path, when it may be written: absent, an empty folder, or `overwrite`.
+
+    `FileExistsError` in one line naming the folder and `how` to overwrite it (`overwrite=True` for the Python API,
+    `--overwrite` for the command line) otherwise; a file where a folder should go is refused even with `overwrite`.
+    """
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file, not a folder; remove it or choose another folder.")
+    if not overwrite and path.is_dir() and any(path.iterdir()):
+        raise FileExistsError(f"{path} exists and is not empty; pass {how} to replace it, or choose another folder.")
+    return path.resolve() if path.is_symlink() else path  # a link: its folder is written, the link stays
+
+
+def replace_folder(new: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Rename the complete folder `new` to `path`; an existing `path` is first renamed aside (hidden, beside it) and
+    removed only once `new` is in place, so `path` always holds either the old content or the new, never a mix or
+    nothing. Both must be on one filesystem (`new_folder_beside` makes such a folder)."""
+    new, path = Path(new), Path(path)
+    if not path.exists():
+        os.rename(new, path)
+        return path
+    old = new_folder_beside(path, "old")
+    os.rename(path, old / path.name)  # moved aside whole, inside a hidden folder
+    try:
+        os.rename(new, path)
+    except BaseException:
+        os.rename(old / path.name, path)  # put back: the old content stays where it was
+        old.rmdir()
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def write_folder(
+    path: str | os.PathLike, write: Callable[[Path], None], overwrite: bool = False, how: str = "overwrite=True"
+) -> Path:
+    """Write a folder atomically: refuse a non-empty `path` unless `overwrite` (`check_folder_free`), call
+    `write(tmp)` on a new hidden folder beside `path`, then rename it into place (`replace_folder`). If `write`
+    fails, the temporary folder is removed and `path` is as it was."""
+    path = check_folder_free(path, overwrite, how)
+    tmp = new_folder_beside(path)
+    try:
+        write(tmp)
+        check_folder_free(path, overwrite, how)  # filled meanwhile (another process)?
+        return replace_folder(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def atomic_write_json(obj, path: str | os.PathLike) -> None:
