@@ -34,6 +34,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from ..kernels.freshness import drop_stale
 from ..kernels.lean_forward import run_target
 from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
@@ -81,6 +82,7 @@ class SpeculativeDecoder:
         if not 0.0 < compact_fraction <= 1.0:
             raise ValueError(f"`compact_fraction` must lie in (0, 1], got {compact_fraction}.")
         self.target, self.compact_fraction = target, compact_fraction
+        self._drafter = drafter
         self.device = model_device(target)
         text_config = target.config.get_text_config()
         self.sliding = getattr(text_config, "sliding_window", None) is not None or "sliding_attention" in (
@@ -143,6 +145,8 @@ class SpeculativeDecoder:
         if not rows:
             return []
         self._check_tree()
+        if not self.rows:  # a new generate() call, or an Engine starting work after being idle
+            self._refresh_weights()
         if self._per_token and len(rows) > 1:  # one activation scale per call: each prompt alone, as plain decoding
             return [done for row in rows for done in self.prefill([row])]
         lengths = [len(row.seq) for row in rows]
@@ -184,6 +188,12 @@ class SpeculativeDecoder:
             self.rows += [rows[i] for i in keep]
             self._joined = True
         return [row for row in rows if row.finished]
+
+    def _refresh_weights(self) -> None:
+        """Drop the kernels' copies of weights that changed since they were made (`kernels/freshness.py`): edits
+        through `.data`, adapters merged, modules swapped or wrapped since the last batch."""
+        self._linears = eligible_linears(self.target)
+        drop_stale(self.target, self._drafter)
 
     def retire(self) -> list[Row]:
         """Remove finished rows from the batch and every cache; returns them."""

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from .fingerprint import fingerprint, read_once, same
+
 
 FEW_ROWS = 16
 
@@ -54,27 +56,49 @@ def gathered_rows(
     key = (weight.data_ptr(), version_counter(weight), dtype)
     if ids is not None:
         key += (ids.data_ptr(), version_counter(ids), len(ids))
-    return kept_copy(owner, "rows", weight, key, make)
+    return kept_copy(owner, "rows", weight, key, make, sources=() if ids is None else (ids,))
 
 
-# owner -> {kind: {id(weight): (weak reference to weight, key, copy)}}. Beside the owners rather than in them: a
-# model must stay deep-copyable and picklable (a packed copy has no storage, a weak reference does not pickle).
+# owner -> {kind: {id(weight): (weak reference to weight, key, copy, fingerprint of weight)}}. Beside the owners
+# rather than in them: a model must stay deep-copyable and picklable (a packed copy has no storage, a weak reference
+# does not pickle).
 _KEPT: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
-def kept_copy(owner: object, kind: str, weight: torch.Tensor, key: tuple, make: Callable[[], torch.Tensor]):
-    """The `kind` copy of `weight` kept for `owner`: `make()` when there is none yet or it is stale.
+def kept_copy(owner: object, kind: str, weight, key: tuple, make: Callable[[], torch.Tensor], sources: tuple = ()):
+    """The `kind` copy of `weight` (a tensor, or a module for a copy of its weights) kept for `owner`: `make()` when
+    there is none yet or it is stale. `sources`: other tensors the copy is made from (e.g. the row ids gathered).
 
-    A copy is reused only for the same live tensor (held by a weak reference, so a new tensor that the allocator
+    A copy is reused only for the same live object (held by a weak reference, so a new tensor that the allocator
     puts at a freed one's id and address is never mistaken for it) with the same `key` (e.g. its storage and
-    in-place version counter). A stale copy is dropped before the new one is made. The copies go when the owner does.
+    in-place version counter), checked at every use. Edits the key cannot see (through `weight.data`, of an
+    inference tensor) are caught by the content fingerprint kept beside the copy, which `drop_stale_kept` checks once
+    per `generate()` call (`freshness.py`). A stale copy is dropped before the new one is made. The copies go when
+    the owner does.
     """
     cache = _KEPT.setdefault(owner, {}).setdefault(kind, {})
     hit = cache.get(id(weight))
     if hit is None or hit[0]() is not weight or hit[1] != key:
         cache.pop(id(weight), None)
-        hit = cache[id(weight)] = (weakref.ref(weight), key, make())
+        copy = make()
+        hit = cache[id(weight)] = (weakref.ref(weight), key, copy, fingerprint((weight, *sources)), sources)
     return hit[2]
+
+
+def drop_stale_kept(owner: object, fingerprints: dict | None = None) -> int:
+    """Drop the copies kept for `owner` whose source is gone or whose values changed since the copy was made (its
+    fingerprint differs); returns how many were dropped. `fingerprints` (id -> fingerprint) shares the reading of a
+    source between callers within one check."""
+    fingerprints = {} if fingerprints is None else fingerprints
+    dropped = 0
+    for cache in _KEPT.get(owner, {}).values():
+        for ident, (ref, _, _, made, sources) in list(cache.items()):
+            source = ref()
+            now = None if source is None else (read_once(source, fingerprints), *map(fingerprint, sources))
+            if now is None or not same(made, now):
+                del cache[ident]
+                dropped += 1
+    return dropped
 
 
 def version_counter(tensor: torch.Tensor) -> int:
@@ -85,4 +109,4 @@ def version_counter(tensor: torch.Tensor) -> int:
 
 def kept_copies(owner: object, kind: str) -> list[torch.Tensor]:
     """The `kind` copies kept for `owner` (for tests and memory accounting)."""
-    return [copy for _, _, copy in _KEPT.get(owner, {}).get(kind, {}).values()]
+    return [entry[2] for entry in _KEPT.get(owner, {}).get(kind, {}).values()]

@@ -35,6 +35,7 @@ from transformers.utils import logging
 
 from . import verify_head
 from .few_rows import version_counter
+from .fingerprint import read_once, same
 from .packed_linear import _check_available
 from .verify_attention import routed
 from .verify_head import eligible_linears, step_scopes, swapped_linears, verify_kernels
@@ -63,6 +64,7 @@ class _Group:
         self.packed: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.key: tuple | None = None
+        self.made: tuple | None = None  # the members' weights' fingerprints when packed (`fingerprint.py`)
         self.stash: tuple | None = None  # (input, its version, {member index: output}) for the other members
 
     def _key(self) -> tuple:
@@ -87,6 +89,18 @@ class _Group:
         biases = [m.bias for m in self.members]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.key = self._key()
+        self.made = self._fingerprints({})
+
+    def _fingerprints(self, fingerprints: dict) -> tuple:
+        return tuple(read_once(t, fingerprints) for m in self.members for t in (m.weight, m.bias) if t is not None)
+
+    def drop_if_changed(self, fingerprints: dict) -> bool:
+        """Drop the packed copy if the members' weights' values changed since it was made (edits that leave the
+        tensor, its address and its version counter as they were: through `.data`, of an inference tensor)."""
+        if self.key is None or same(self.made, self._fingerprints(fingerprints)):
+            return False
+        self.packed = self.bias = self.key = self.made = None
+        return True
 
     def product(self, x: torch.Tensor, pad_to: int) -> torch.Tensor:
         """(rows, in) -> (rows, sum of outs), through the packed weight, run as `pad_to` rows where that is more."""
@@ -150,6 +164,16 @@ class TargetPacks:
             if not group.fresh():
                 group.packed = None  # drop the stale copy before making the new one
                 group.pack()
+
+    def drop_stale(self, fingerprints: dict | None = None) -> int:
+        """Drop every packed copy whose weights' values changed since it was packed; returns how many. It reads
+        every packed weight once (`fingerprint.py`: 46 ms for SmolLM2-135M on 2 cores), so it runs once per
+        `generate()` call, not per verify (`freshness.drop_stale`)."""
+        fingerprints = {} if fingerprints is None else fingerprints
+        return sum(group.drop_if_changed(fingerprints) for group in self.groups)
+
+    def members(self) -> list[nn.Module]:
+        return [m for g in self.groups for m in g.members]
 
     def clear(self) -> None:
         for group in self.groups:
@@ -219,11 +243,35 @@ _PACKS: "weakref.WeakKeyDictionary[nn.Module, TargetPacks]" = weakref.WeakKeyDic
 
 
 def packs_for(model: nn.Module, linears: list[nn.Linear] | None = None) -> TargetPacks:
-    """The `TargetPacks` of `model`, kept beside it while it lives (copies are made on first use)."""
+    """The `TargetPacks` of `model`, kept beside it while it lives (copies are made on first use); made anew when
+    `linears` are other modules than those packed (a linear swapped, wrapped or moved to another dtype)."""
     packs = _PACKS.get(model)
+    if packs is not None and linears is not None and not _same_modules(packs.members(), linears):
+        packs = _PACKS[model] = None
     if packs is None:
         packs = _PACKS[model] = TargetPacks.of(model, linears)
     return packs
+
+
+def _same_modules(a: list[nn.Module], b: list[nn.Module]) -> bool:
+    return len(a) == len(b) and {id(m) for m in a} == {id(m) for m in b}
+
+
+def packed_targets() -> list[nn.Module]:
+    """The models that have packs (for `freshness.drop_stale`)."""
+    return list(_PACKS.keys())
+
+
+def stale_packs(model: nn.Module, fingerprints: dict) -> int:
+    """Drop `model`'s packs for linears it no longer holds as packed (swapped, wrapped, another dtype) and the
+    packed copies whose weights' values changed; returns how many copies were dropped."""
+    packs = _PACKS.get(model)
+    if packs is None:
+        return 0
+    if not _same_modules(packs.members(), eligible_linears(model)):
+        del _PACKS[model]
+        return len(packs.groups)
+    return packs.drop_stale(fingerprints)
 
 
 def free_packs(model: nn.Module) -> int:
