@@ -2,6 +2,8 @@
 own forward in every kernel scope, for the families it takes; the model's own forward everywhere else."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -210,3 +212,101 @@ def test_lossless_generation_through_the_lean_forward(monkeypatch):
     fast = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)
     assert torch.equal(plain, fast)
     assert ran
+
+
+class Wrap(torch.nn.Module):
+    """A debugging wrapper or adapter around a module: counts its calls and mixes the output (the first element of a
+    tuple) with itself reversed, so that a lean forward that skipped it would give other tokens."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        out = self.inner(*args, **kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        first = first + 0.5 * first.flip(-1)
+        return (first, *out[1:]) if isinstance(out, tuple) else first
+
+
+class Transparent(Wrap):
+    """A wrapper that hands on every attribute it lacks to its module (as some adapters do): the attributes a lean
+    forward reads are all there, the wrapper's own forward is not."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+
+PARTS = {  # where a wrapper goes: (the module holding it, its attribute name)
+    "mlp": lambda m: (m.model.layers[1], "mlp"),
+    "layer": lambda m: (m.model.layers, "1"),
+    "self_attn": lambda m: (m.model.layers[1], "self_attn"),
+    "input_layernorm": lambda m: (m.model.layers[1], "input_layernorm"),
+    "v_proj": lambda m: (m.model.layers[1].self_attn, "v_proj"),
+    "gate_proj": lambda m: (m.model.layers[1].mlp, "gate_proj"),
+    "norm": lambda m: (m.model, "norm"),
+    "embed_tokens": lambda m: (m.model, "embed_tokens"),
+    "lm_head": lambda m: (m, "lm_head"),
+}
+
+
+@pytest.mark.parametrize("wrapper", [Wrap, Transparent])
+@pytest.mark.parametrize("part", PARTS)
+@pytest.mark.parametrize("way", ["packed", "linear"])
+def test_a_module_wrapped_after_a_first_generate(monkeypatch, wrapper, part, way):
+    """A module wrapped after the lean forward ran (its structure check done): the next `generate()` with a drafter
+    is plain greedy of the wrapped model, with the wrapper called. Wrapped layers, attentions and MLPs send the round
+    to the model's own forward; modules the lean forward calls as modules (norms, linears, the embedding, the LM
+    head) stay on the lean path."""
+    monkeypatch.setattr(verify_linears, "FORCE", way)
+    target = make_target(attn_implementation="sdpa")
+    drafter = make_drafter(target, verify_policy="fixed")
+    ran = []
+    original = lean_forward.forward
+    monkeypatch.setattr(lean_forward, "forward", lambda *a, **k: ran.append(1) or original(*a, **k))
+    ids = torch.randint(0, 99, (2, 7))
+    unwrapped = target.generate(ids, do_sample=False, max_new_tokens=20)
+    assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=drafter), unwrapped)
+    assert ran
+    holder, name = PARTS[part](target)
+    wrapped = wrapper(getattr(holder, name))
+    setattr(holder, name, wrapped)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=20)
+    assert not torch.equal(plain, unwrapped)  # the wrapper changes the tokens: skipping it would show
+    wrapped.calls = 0
+    out = target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=drafter)
+    assert torch.equal(out, plain) and wrapped.calls
+    if part in ("mlp", "layer", "self_attn"):
+        with torch.no_grad():
+            assert not lean_forward.supports(target)
+        setattr(holder, name, wrapped.inner)  # unwrapped again: the lean forward comes back
+        with torch.no_grad():
+            assert lean_forward.supports(target)
+
+
+def test_a_layer_swapped_for_another_of_its_class_is_rechecked():
+    """A decoder layer replaced by a new one of the same class (a reloaded or edited copy) with a sliding window the
+    lean forward does not take is seen as well."""
+    target = family_target("qwen3")
+    with torch.no_grad():
+        assert lean_forward.supports(target)
+        layer = type(target.model.layers[2])(target.config, 2)
+        layer.self_attn.sliding_window = 6
+        target.model.layers[2] = layer
+        assert not lean_forward.supports(target)
+
+
+def test_the_check_keeps_no_model_alive():
+    """The kept signature refers to no module: a model one of whose modules refers back to it is still freed."""
+    target = family_target("llama")
+    target.model.norm.owner = [target]  # e.g. a debugging wrapper or adapter that keeps its model at hand
+    with torch.no_grad():
+        assert lean_forward.supports(target)
+    gone = weakref.ref(target)
+    del target
+    gc.collect()
+    assert gone() is None

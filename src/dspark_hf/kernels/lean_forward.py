@@ -15,9 +15,11 @@ inside a packed scope q/k/v and gate/up without hooks run as their group's one p
 
 It applies (`supports`) to the exact decoder-layer classes of `LAYERS` (Llama, Qwen2, Qwen3, Mistral) with no sliding
 window in use, in inference (no grad, eval mode), with no hooks on the modules it skips but transformers' own output
-capturing, and to the inputs a round passes (`input_ids`, a 2-D or 4-D mask, `position_ids`, a cache, the hidden
-states wanted). Everything else runs the model's own forward: `run_target(model, **inputs)` picks. `ENABLED = False`
-turns it off (side-by-side timings, or a model whose modeling code changed under the same class names).
+capturing (checked again when a module it reaches is swapped or wrapped, e.g. an adapter or a debugging wrapper put on
+an MLP after a first `generate()`), and to the inputs a round passes (`input_ids`, a 2-D or 4-D mask, `position_ids`, a
+cache, the hidden states wanted). Everything else runs the model's own forward: `run_target(model, **inputs)` picks.
+`ENABLED = False` turns it off (side-by-side timings, or a model whose modeling code changed under the same class
+names).
 
 The hidden states come back as transformers returns them: index 0 the embeddings, i the output of layer i, the last
 the final norm's output; a list of indices keeps those and leaves None elsewhere, as a model that records its
@@ -47,12 +49,15 @@ LAYERS = {
     "MistralDecoderLayer": "sliding_window",
 }
 
-_SUPPORTED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()  # the structural check
+# model -> (its `_signature` when checked, `_structure`'s verdict then): the structural check, redone when the
+# signature changes
+_SUPPORTED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bool]]" = weakref.WeakKeyDictionary()
 
 
 def _structure(model: nn.Module) -> bool:
     """Whether `model` is a `*ForCausalLM` over a base model of `LAYERS` decoder layers, built as transformers builds
-    them (attribute names, no sliding window in use, no pretraining tensor parallelism)."""
+    them (the exact classes of the layers, their attentions and MLPs, attribute names, no sliding window in use, no
+    pretraining tensor parallelism)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not layers or not all(hasattr(base, n) for n in ("embed_tokens", "norm", "rotary_emb")):
@@ -66,6 +71,8 @@ def _structure(model: nn.Module) -> bool:
         if name not in LAYERS or getattr(module, name, None) is not type(layer):
             return False
         attn = layer.self_attn
+        if type(attn) is not getattr(module, name.replace("DecoderLayer", "Attention"), None):
+            return False  # a wrapped attention (one that hands on its module's attributes too) runs its own forward
         if LAYERS[name] and getattr(attn, "sliding_window", None) is not None:
             return False
         if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "scaling")):
@@ -83,16 +90,56 @@ def _structure(model: nn.Module) -> bool:
 
 def supports(model: nn.Module) -> bool:
     """Whether `forward` can stand in for `model(...)` now (see the module docstring). The model's structure is
-    checked once per model; the hooks, mode and gradients every call."""
+    checked again whenever a module it reaches was swapped, wrapped or re-classed since the last check (`_signature`,
+    read every call); the hooks, mode and gradients are checked every call."""
     if not ENABLED or torch.is_grad_enabled() or model.training:
         return False
+    signature, skipped = _signature(model)
     known = _SUPPORTED.get(model)
-    if known is None:
-        known = _SUPPORTED[model] = _structure(model)
-    if not known:
-        return False
-    skipped = [model, model.model, *model.model.layers, *(layer.self_attn for layer in model.model.layers)]
-    return only_capturing_hooks(skipped)
+    if known is None or known[0] != signature:
+        known = _SUPPORTED[model] = (signature, signature is not None and _structure(model))
+    return known[1] and only_capturing_hooks(skipped)
+
+
+def _signature(model: nn.Module) -> tuple[tuple | None, list[nn.Module]]:
+    """(what `_structure`'s verdict depends on, the modules whose own forward `forward` skips).
+
+    The signature holds the identity (`id`) of every module `forward` reaches: the model's, its base model's, each
+    decoder layer's, attention's and MLP's children (embedding, rotary embedding, norms, projections, activation, LM
+    head); the class of each module whose forward it re-implements (model, base model, layers, attentions, MLPs); each
+    attention's `sliding_window` and the config fields `_structure` reads. A module swapped, wrapped or given another
+    class anywhere among them changes it. Read from the `_modules` dictionaries, not through `nn.Module.__getattr__`,
+    so it costs little per round (docs/reliability.md). Ids, not the modules: kept beside the model, the modules
+    would keep alive a replaced one, or the model itself if a child refers to it. An id the allocator reuses for a
+    new module can only stand for a module of the class recorded at its place, which is what the verdict reads.
+    None: not a model of the expected shape."""
+    base = model._modules.get("model")
+    layers = None if base is None else base._modules.get("layers")
+    config = getattr(model, "config", None)
+    if layers is None or config is None:
+        return None, []
+    parts = [
+        type(model),
+        type(base),
+        *map(id, model._modules.values()),
+        *map(id, base._modules.values()),
+        getattr(config, "num_hidden_layers", None),
+        getattr(config, "pretraining_tp", 1),
+        getattr(config, "sliding_window", None),
+    ]
+    skipped = [model, base]
+    attentions = []
+    for layer in layers._modules.values():
+        children = layer._modules
+        attn, mlp = children.get("self_attn"), children.get("mlp")
+        parts += [type(layer), type(attn), type(mlp), *map(id, children.values())]
+        skipped.append(layer)
+        if attn is not None:
+            parts += [*map(id, attn._modules.values()), vars(attn).get("sliding_window")]
+            attentions.append(attn)
+        if mlp is not None:
+            parts += map(id, mlp._modules.values())
+    return tuple(parts), skipped + attentions
 
 
 INPUTS = {"input_ids", "attention_mask", "position_ids", "output_hidden_states", "use_cache"}  # and the cache
