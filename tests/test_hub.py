@@ -1,5 +1,6 @@
 """Hub artifacts: generated model card, custom_generate/, push_to_hub, offline loading from a real cache layout."""
 
+import functools
 import json
 import os
 import shutil
@@ -219,10 +220,11 @@ def test_custom_generate_folder_works_without_the_package(tmp_path):
         for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
             setattr(target.generation_config, key, None)
         drafter = AutoModel.from_pretrained({str(tmp_path / "repo")!r}, trust_remote_code=True).eval()
-        # undo the global routing the remote modeling file installs, so only custom_generate can route to DSpark
-        GenerationMixin.generate = GenerationMixin.generate._dspark_original
+        # the remote modeling file installs the routing of generate(assistant_model=drafter), as a user has it
+        assert getattr(GenerationMixin.generate, "_dspark_routing", False)
         ids = torch.randint(0, 99, (1, 6))
         ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+        # the README's Hub call, as it is written there
         out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
                               custom_generate={str(tmp_path / "repo")!r}, trust_remote_code=True)
         assert torch.equal(ref, out), (ref, out)
@@ -235,6 +237,66 @@ def test_custom_generate_folder_works_without_the_package(tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def _foreign_custom_generate(folder):
+    """A Hub-style folder whose `custom_generate/generate.py` is not DSpark's."""
+    (folder / "custom_generate").mkdir(parents=True)
+    (folder / "custom_generate" / "generate.py").write_text(
+        "def generate(model, **kwargs):\n    raise AssertionError('the foreign custom_generate ran')\n"
+    )
+    return folder
+
+
+def test_our_custom_generate_with_a_dspark_assistant_routes_once(tmp_path, target):
+    """With the routing of `import dspark_hf` installed, the README's Hub call (a DSpark `assistant_model` and our
+    `custom_generate` folder) runs DSpark's loop once, as do our functions passed as `custom_generate`."""
+    import dspark_hf
+    from dspark_hf.integrations import generation
+
+    drafter = make_drafter(target)
+    save_for_hub(drafter, tmp_path / "repo")
+    ids = torch.randint(0, 99, (1, 6))
+    ref = target.generate(ids, max_new_tokens=10, do_sample=False)
+    calls = []
+    original = generation.speculative_generate
+
+    @functools.wraps(original)  # its signature: transformers passes the keyword arguments it names
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    for custom in (str(tmp_path / "repo"), dspark_hf.generate, dspark_hf.speculative_generate):
+        calls.clear()
+        drafter.generation_stats = None
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(generation, "speculative_generate", counted)
+            out = target.generate(
+                ids,
+                max_new_tokens=10,
+                do_sample=False,
+                assistant_model=drafter,
+                custom_generate=custom,
+                trust_remote_code=True,
+            )
+        assert torch.equal(ref, out), custom
+        assert calls == [1] and drafter.generation_stats.num_target_forwards > 0, custom
+
+
+def test_a_foreign_custom_generate_with_a_dspark_assistant_is_refused(tmp_path, target):
+    drafter = make_drafter(target)
+    ids = torch.randint(0, 99, (1, 6))
+    foreign = _foreign_custom_generate(tmp_path / "foreign")
+
+    def mine(model, **kwargs):
+        raise AssertionError("the foreign callable ran")
+
+    for custom, named in ((str(foreign), str(foreign)), (mine, "mine")):
+        with pytest.raises(ValueError, match=r"custom_generate.*is not DSpark's.*assistant_model") as err:
+            target.generate(
+                ids, max_new_tokens=4, assistant_model=drafter, custom_generate=custom, trust_remote_code=True
+            )
+        assert named in str(err.value) and "\n" not in str(err.value)
 
 
 def test_pairing_check_at_load_and_generate_with_tokenizer_hashes(tmp_path, target, caplog):

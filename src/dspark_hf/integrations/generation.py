@@ -11,11 +11,15 @@ Two ways in, both batched (left-padded prompts, each row token-identical to its 
 whose `assistant_model` is one of this package's drafters becomes the explicit form, with the streamer and
 tokenizer passed on under names the hook keeps and stop strings turned into a stopping criterion; every other call
 goes to transformers untouched. Pipelines call `model.generate(..., assistant_model=drafter)` and take this path.
+A `custom_generate` beside a DSpark `assistant_model` must be this package's own (`generate`, `speculative_generate`,
+or a DSpark Hub repo's `custom_generate/` folder, the README's Hub call): the call then runs the loop once; any other
+`custom_generate` is refused, naming it.
 `generate(model, ...)` is the same routing as a function, for the Hub `custom_generate/` folder.
 """
 
 import copy
 import functools
+import sys
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
@@ -39,6 +43,7 @@ from ..utils.compat import check_transformers_version
 logger = logging.get_logger(__name__)
 
 _MARKER = "_dspark_routing"
+_ENTRY = "_dspark_generate"  # marks this module's entry points (`generate`, `speculative_generate`), flat copies too
 _MODEL_KWARGS = {
     "attention_mask",
     "position_ids",
@@ -403,8 +408,16 @@ def _routed_kwargs(model, kwargs: dict) -> dict:
     drafter = kwargs.pop("assistant_model")
     tokenizer = kwargs.pop("tokenizer", None)
     drafter.config.check_target(model.config, tokenizer)  # before transformers' own checks, with our message
-    if kwargs.get("custom_generate") is not None:
-        raise ValueError("Pass either a DSpark `assistant_model` or `custom_generate`, not both.")
+    custom = kwargs.pop("custom_generate", None)
+    if custom is not None:
+        trust_remote_code = kwargs.pop("trust_remote_code", None)
+        if not _is_dspark_generate(model, custom, trust_remote_code):
+            name = custom if isinstance(custom, str) else getattr(custom, "__name__", type(custom).__name__)
+            raise ValueError(
+                f"`custom_generate={name!r}` is not DSpark's generate, and a DSpark `assistant_model` drafts only "
+                "through DSpark's loop: drop `custom_generate` (or pass this package's / a DSpark Hub repo's), or "
+                "decode without the drafter."
+            )
     if kwargs.pop("assistant_tokenizer", None) is not None:
         raise ValueError(
             "A DSpark drafter shares the target's tokenizer; `assistant_tokenizer` (universal assisted decoding) "
@@ -426,12 +439,31 @@ def _routed_kwargs(model, kwargs: dict) -> dict:
     return kwargs
 
 
+def _is_dspark_generate(model, custom, trust_remote_code) -> bool:
+    """Whether `custom_generate=custom` is this package's generation: one of its entry points (in any copy, such as a
+    Hub repo's `custom_generate/` folder) or a repo whose `custom_generate/generate.py` is one. A repo id or folder
+    is loaded as `generate()` would load it (transformers' `load_custom_generate`, which needs `trust_remote_code`)."""
+    if isinstance(custom, str):
+        custom = model.load_custom_generate(custom, trust_remote_code=trust_remote_code)
+    if getattr(custom, _ENTRY, False):
+        return True
+    # a `custom_generate/` folder written before the marker: the flat copy of this module's `generate`
+    module = sys.modules.get(getattr(custom, "__module__", None) or "")
+    return getattr(custom, "__name__", None) == "generate" and all(
+        callable(getattr(module, name, None)) for name in ("speculative_generate", "_routed_kwargs")
+    )
+
+
 def generate(model, *args, **kwargs):
     """`model.generate(*args, **kwargs)` with `assistant_model=<a drafter of this package>` run speculatively through
     the public hook; any other call is transformers' own. Also the Hub `custom_generate/generate.py` entry point."""
     if is_drafter(kwargs.get("assistant_model")):
         kwargs = _routed_kwargs(model, kwargs)
     return _original_generate(model, *args, **kwargs)
+
+
+setattr(generate, _ENTRY, True)
+setattr(speculative_generate, _ENTRY, True)
 
 
 def _original_generate(model, *args, **kwargs):
