@@ -257,3 +257,26 @@ def test_a_check_without_changes_keeps_every_copy_and_reads_shared_weights_once(
     assert drop_stale(target, drafter) == 0
     assert all(a is b for a, b in zip(kept_copies(drafter, "rows"), kept))
     assert len(reads) == len(set(reads))  # a shared weight is read once per check
+
+
+class _Opaque(torch.Tensor):
+    """A weight subclass that keeps its values its own way and refuses every operation (as some quantizers do)."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func}")
+
+
+@torch.no_grad()
+def test_a_copy_of_values_that_cannot_be_read_is_never_trusted_across_calls():
+    owner, opaque = nn.Module(), _Opaque(torch.randn(4, 4))
+    assert not same(fingerprint(opaque), fingerprint(opaque))
+    from dspark_hf.kernels.few_rows import kept_copy
+
+    made = kept_copy(owner, "dequantized", opaque, ("key",), lambda: torch.ones(4, 4))
+    assert kept_copy(owner, "dequantized", opaque, ("key",), lambda: torch.zeros(4, 4)) is made  # within a call
+    assert drop_stale(owner) == 1  # but dropped at the next call's check, made again from the weight

@@ -47,13 +47,31 @@ def _dense(tensor: torch.Tensor) -> Fingerprint:
     return (tuple(tensor.shape), str(tensor.dtype), bits.sum(1, dtype=torch.int64), bits.sum(0, dtype=torch.int64))
 
 
+class Unreadable:
+    """The fingerprint of values that cannot be read (a tensor subclass that refuses the operations): equal to no
+    other, so a copy made from them is dropped at every check and made again, never trusted."""
+
+    def __eq__(self, other):
+        return False
+
+    __hash__ = object.__hash__
+
+
 def fingerprint(source) -> Fingerprint:
     """A fingerprint of a tensor's values (a plain, quantized or subclass tensor, such as torchao's) or of every
-    tensor a module holds (its parameters and buffers, and a quantized module's packed weights)."""
+    tensor a module holds (its parameters and buffers, and a quantized module's packed weights). Values it cannot
+    read give `Unreadable()`."""
+    try:
+        return _fingerprint(source)
+    except (NotImplementedError, RuntimeError, TypeError, AttributeError):
+        return (Unreadable(),)
+
+
+def _fingerprint(source) -> Fingerprint:
     if isinstance(source, nn.Module):
-        return tuple(fingerprint(v) for v in _module_tensors(source))
+        return tuple(_fingerprint(v) for v in _module_tensors(source))
     if isinstance(source, (tuple, list)):
-        return tuple(fingerprint(v) for v in source)
+        return tuple(_fingerprint(v) for v in source)
     if not isinstance(source, torch.Tensor):
         return (repr(source),)
     if source.is_quantized:
@@ -63,12 +81,15 @@ def fingerprint(source) -> Fingerprint:
         return (_dense(source.int_repr()), *scales)
     if type(source) not in (torch.Tensor, nn.Parameter) and hasattr(source, "__tensor_flatten__"):
         names, context = source.__tensor_flatten__()  # a tensor subclass: its inner tensors hold the values
-        return (type(source).__name__, repr(context), *(fingerprint(getattr(source, n)) for n in names))
+        return (type(source).__name__, repr(context), *(_fingerprint(getattr(source, n)) for n in names))
+    if type(source) not in (torch.Tensor, nn.Parameter) and type(source).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        return (Unreadable(),)  # a subclass that keeps its values its own way
     if source.is_meta:
         return ("meta", tuple(source.shape))
     return _dense(source)
 
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
 
