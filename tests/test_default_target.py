@@ -127,6 +127,101 @@ def test_a_damaged_copy_is_converted_again(gguf, damage):
     assert same_model(default.load_default_target()[0], reference) and len(conversions) == 3  # kept again
 
 
+def flip_bytes(path, offset: int, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset : offset + count] = bytes(b ^ 0xFF for b in data[offset : offset + count])
+    path.write_bytes(bytes(data))
+
+
+def edit_config(path, old: str, new: str) -> None:
+    """A same-size edit of config.json: only its checksum can tell."""
+    text = path.read_text()
+    assert len(old) == len(new) and text.count(old) == 1, (old, text)
+    path.write_text(text.replace(old, new))
+
+
+@pytest.mark.parametrize(
+    "damage, file",
+    [
+        ("64 bytes flipped inside the weights", "model.safetensors"),  # the header intact: it loads
+        ("one layer fewer in config.json", "config.json"),  # 4 -> 3: loads, dropping a layer's weights
+        ("another rms_norm_eps in config.json", "config.json"),
+        ("a tokenizer file edited", "tokenizer.json"),
+    ],
+)
+def test_a_same_size_change_is_caught_by_its_checksum_and_converted_again(gguf, caplog, damage, file):
+    folder, conversions, _ = gguf
+    default.load_default_target()
+    kept = default.kept_target_folder()
+    path = kept / file
+    size = path.stat().st_size
+    if file == "model.safetensors":
+        flip_bytes(path, size // 2)
+    elif "layer" in damage:
+        edit_config(path, '"num_hidden_layers": 4', '"num_hidden_layers": 3')
+    elif "rms_norm_eps" in damage:
+        edit_config(path, '"rms_norm_eps": 1e-06', '"rms_norm_eps": 2e-06')
+    else:
+        edit_config(path, '"C": 35', '"C": 39')  # another token id for "C"
+    assert path.stat().st_size == size
+    with caplog.at_level("WARNING", logger="dspark_hf.default"):
+        target, tokenizer = default.load_default_target()
+    reference, reference_tokenizer = default._from_gguf(str(folder), "tiny.gguf", torch.float32)
+    assert conversions == [torch.float32] * 3  # converted again (and the reference)
+    assert same_model(target, reference) and target.config.to_dict() == reference.config.to_dict()
+    assert same_tokenizer(tokenizer, reference_tokenizer)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "damaged" in r.getMessage()]
+    assert len(warnings) == 1 and str(path) in warnings[0], caplog.text  # names the damaged file
+    assert default._damage(kept) is None  # kept again, intact
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dspark_hf.default"):
+        assert same_model(default.load_default_target()[0], reference)
+    assert len(conversions) == 3 and "damaged" not in caplog.text
+
+
+def test_negative_control_an_intact_copy_is_trusted(gguf, caplog):
+    """Untouched files, or files rewritten with the same bytes (a new modification time), load from the kept copy."""
+    folder, conversions, _ = gguf
+    default.load_default_target()
+    kept = default.kept_target_folder()
+    for path in kept.iterdir():
+        path.write_bytes(path.read_bytes())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dspark_hf.default"):
+        for _ in range(2):
+            target, _ = default.load_default_target()
+    assert conversions == [torch.float32] and caplog.text == ""
+    assert same_model(target, default._from_gguf(str(folder), "tiny.gguf", torch.float32)[0])
+
+
+def test_a_copy_kept_without_checksums_is_converted_again(gguf, caplog):
+    """A copy kept by an earlier version (file sizes only in its manifest) cannot be checked: converted again."""
+    _, conversions, _ = gguf
+    default.load_default_target()
+    kept = default.kept_target_folder()
+    manifest = json.loads((kept / default.MANIFEST).read_text())
+    (kept / default.MANIFEST).write_text(json.dumps({"files": manifest["files"]}))
+    with caplog.at_level("WARNING", logger="dspark_hf.default"):
+        default.load_default_target()
+    assert len(conversions) == 2 and "no checksums" in caplog.text
+    assert "sha256" in json.loads((kept / default.MANIFEST).read_text())
+
+
+def test_an_unwritable_cache_is_a_warning_said_once(gguf, monkeypatch, tmp_path, caplog):
+    """Every load converts again (about 17 s for the real target): the user hears it once, with the fix."""
+    monkeypatch.setattr(default, "_warned_unkept", False)
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(default.CACHE_ENV, str(blocker / "cache"))
+    with caplog.at_level("INFO", logger="dspark_hf.default"):
+        for _ in range(3):
+            default.load_default_target()
+    said = [r for r in caplog.records if "Cannot keep" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING", caplog.text
+    message = said[0].getMessage()
+    assert str(blocker / "cache") in message and "DSPARK_HF_CACHE=<a writable folder>" in message
+
+
 def test_an_unwritable_cache_converts_once_and_still_answers(gguf, monkeypatch, tmp_path):
     folder, conversions, _ = gguf
     blocker = tmp_path / "a file"

@@ -23,7 +23,7 @@ from .kernels.packed_linear import inference_dtype
 from .kernels.weights import below_float16
 from .models.configuration_dspark import DSparkConfig
 from .models.modeling_dspark import DSparkDraftModel
-from .utils.files import atomic_write_json, new_folder_beside
+from .utils.files import atomic_write_json, new_folder_beside, replace_folder
 
 
 logger = logging.get_logger(__name__)
@@ -35,7 +35,8 @@ DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
 DEFAULT_DRAFTER_FIELDS = dict(num_hidden_layers=2, block_size=7, markov_rank=64)
 # Where the dequantized target is kept between runs (a folder; "0" keeps nothing); default $HF_HOME/dspark_hf
 CACHE_ENV = "DSPARK_HF_CACHE"
-MANIFEST = "dspark_hf_kept.json"  # written last: a kept folder without it is incomplete
+MANIFEST = "dspark_hf_kept.json"  # the size and SHA-256 of every kept file, written last
+_warned_unkept = False  # whether this process said that it cannot keep the converted target (said once)
 
 
 def gguf_path() -> tuple[str, str]:
@@ -59,16 +60,20 @@ def load_default_target(dtype: torch.dtype = torch.float32):
     three times), so the first call keeps the dequantized float32 weights (safetensors, 540 MB), the config and the
     tokenizer in `kept_target_folder()`, and later calls load them from there in under a second: the same weights to
     the bit, the same config, tokenizer and chat template (tests/test_default_target.py). `DSPARK_HF_CACHE=0` keeps
-    nothing; a kept copy that is incomplete or damaged is converted again.
+    nothing. Every load checks each kept file against the SHA-256 its manifest recorded at conversion (about 0.5 s
+    for the 540 MB); a copy that is incomplete or damaged is converted again, with a warning naming the file.
     """
     folder, name = gguf_path()
     kept, damaged = kept_target_folder(), False
-    if kept is not None and _intact(kept):
-        try:
-            return _from_kept(kept, folder, dtype)
-        except Exception as error:  # damaged in a way the sizes do not show (safetensors has its own errors)
-            logger.warning(f"The kept copy of the default target in {kept} does not load ({error}); converting again.")
-            damaged = True
+    if kept is not None and kept.exists():
+        problem = _damage(kept)
+        if problem is None:
+            try:
+                return _from_kept(kept, folder, dtype)
+            except Exception as error:  # matches its checksums, yet does not load (e.g. another transformers)
+                problem = f"it does not load ({error})"
+        logger.warning(f"The kept copy of the default target in {kept} is damaged: {problem}; converting again.")
+        damaged = True
     if kept is None:
         return _from_gguf(folder, name, dtype)
     target, tokenizer = _from_gguf(folder, name, torch.float32)  # the GGUF's own values, whatever dtype was asked
@@ -81,8 +86,8 @@ def load_default_tokenizer():
     """The embedded target's tokenizer alone (from its kept copy when there is one, else from the GGUF file)."""
     folder, name = gguf_path()
     kept = kept_target_folder()
-    if kept is not None and _intact(kept):
-        return _named(AutoTokenizer.from_pretrained(kept), folder)
+    if kept is not None and kept.exists() and _damage(kept, skip=("model.safetensors",)) is None:
+        return _named(AutoTokenizer.from_pretrained(kept), folder)  # the tokenizer's files checked, not the weights
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
@@ -99,11 +104,8 @@ def kept_target_folder() -> Path | None:
 
         root = Path(constants.HF_HOME) / "dspark_hf"
     folder, name = gguf_path()
-    digest = hashlib.sha256()  # 0.1 s for the 98 MB file (hashlib.file_digest needs Python 3.11)
-    with open(os.path.join(folder, name), "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return root / "targets" / f"{Path(name).stem}-{digest.hexdigest()[:16]}-transformers-{transformers.__version__}"
+    digest = _sha256(Path(folder) / name)  # 0.1 s for the 98 MB file
+    return root / "targets" / f"{Path(name).stem}-{digest[:16]}-transformers-{transformers.__version__}"
 
 
 def _from_gguf(folder: str, name: str, dtype: torch.dtype):
@@ -123,13 +125,60 @@ def _named(tokenizer, folder: str):
     return tokenizer
 
 
-def _intact(kept: Path) -> bool:
-    """Whether `kept` holds a complete copy: its manifest lists every file with its size."""
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _damage(kept: Path, skip: tuple[str, ...] = ()) -> str | None:
+    """Why the copy in `kept` cannot be trusted, naming the file (missing, another size, another SHA-256 than its
+    manifest recorded at conversion; a manifest missing, unreadable or without checksums), or None when every file
+    but those in `skip` matches. Sizes are compared first (free), then the checksums."""
+    manifest_path = kept / MANIFEST
     try:
-        files = json.loads((kept / MANIFEST).read_text())["files"]
-        return bool(files) and all((kept / file).stat().st_size == size for file, size in files.items())
+        manifest = json.loads(manifest_path.read_text())
+        sizes, sums = manifest["files"], manifest.get("sha256")
+        if not isinstance(sizes, dict) or not sizes:
+            raise TypeError
+    except FileNotFoundError:
+        return f"{manifest_path} is missing"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+        return f"{manifest_path} is unreadable"
+    if not isinstance(sums, dict) or set(sums) != set(sizes):
+        return f"{manifest_path} has no checksums (the copy was kept by an earlier version)"
+    names = [name for name in sorted(sizes) if name not in skip]
+    for name in names:
+        try:
+            size = (kept / name).stat().st_size
+        except OSError:
+            return f"{kept / name} is missing"
+        if size != sizes[name]:
+            return f"{kept / name} has {size} bytes, not the {sizes[name]} written"
+    for name in names:
+        try:
+            if _sha256(kept / name) != sums[name]:
+                return f"{kept / name} does not match the SHA-256 recorded when it was written"
+        except OSError as error:
+            return f"{kept / name} is unreadable ({error})"
+    return None
+
+
+def _cannot_keep(kept: Path, reason: str) -> None:
+    """Say, once per process, that the converted target cannot be kept, so that every load converts the GGUF again."""
+    global _warned_unkept
+    if _warned_unkept:
+        logger.info(f"Not keeping the converted default target in {kept.parent}: {reason}")
+        return
+    _warned_unkept = True
+    root = kept.parent.parent  # $DSPARK_HF_CACHE (or $HF_HOME/dspark_hf)
+    logger.warning(
+        f"Cannot keep the converted default target in {root} ({reason}), so every load converts the GGUF again "
+        f"(about 17 s). Set {CACHE_ENV}=<a writable folder> with 1.1 GB free to keep it, or {CACHE_ENV}=0 to keep "
+        "nothing without this warning."
+    )
 
 
 def _keep(target, tokenizer, kept: Path, replace: bool = False) -> bool:
@@ -142,11 +191,11 @@ def _keep(target, tokenizer, kept: Path, replace: bool = False) -> bool:
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(kept.parent).free < 2 * need:
-            logger.info(f"Not keeping the converted default target: {kept.parent} has under {2 * need >> 20} MB free.")
+            _cannot_keep(kept, f"{kept.parent} has under {2 * need >> 20} MB free")
             return False
         tmp = new_folder_beside(kept, "tmp")
     except OSError as error:
-        logger.info(f"Not keeping the converted default target in {kept.parent}: {error}")
+        _cannot_keep(kept, str(error))
         return False
     try:
         save_model(target, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied weights stored once
@@ -154,19 +203,19 @@ def _keep(target, tokenizer, kept: Path, replace: bool = False) -> bool:
         target.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)  # not safetensors' 0600
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        atomic_write_json({"files": files}, tmp / MANIFEST)
-        if not replace and _intact(kept):  # another process kept it while this one converted
+        kept_files = sorted(tmp.iterdir())
+        files = {p.name: p.stat().st_size for p in kept_files}
+        sums = {p.name: _sha256(p) for p in kept_files}  # checked at every load (`_damage`)
+        atomic_write_json({"files": files, "sha256": sums}, tmp / MANIFEST)
+        if not replace and kept.exists() and _damage(kept) is None:  # another process kept it while this one converted
             shutil.rmtree(tmp, ignore_errors=True)
             return True
-        if kept.exists():  # incomplete or damaged: replaced
-            shutil.rmtree(kept, ignore_errors=True)
-        os.replace(tmp, kept)
+        replace_folder(tmp, kept)  # a damaged copy is replaced whole, once this one is complete
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        if _intact(kept):  # another process kept it first
+        if kept.exists() and _damage(kept) is None:  # another process kept it first
             return True
-        logger.info(f"Could not keep the converted default target in {kept}: {error}")
+        _cannot_keep(kept, str(error))
         return False
     # said once per machine, at the level users see: 540 MB were written to their disk
     logger.warning(
