@@ -8,6 +8,7 @@ from transformers import DynamicCache, pipeline
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import make_drafter, make_target
+from dspark_hf import speculative_generate
 from helpers import char_tokenizer, pin_drafter
 
 
@@ -181,11 +182,16 @@ def test_return_dict_with_hidden_states(target, drafter, rows):
     assert out.hidden_states[0][0][1:, :2].abs().sum() == 0  # padding positions
 
 
-def test_attentions_are_refused_by_name(target, drafter):
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_attentions_are_refused_by_name(target, drafter, return_dict):
+    """Refused, naming the option, why, and what to do instead, both ways in."""
     ids = torch.randint(0, 99, (1, 5))
-    with pytest.raises(ValueError, match="output_attentions"):
-        greedy(target, ids, max_new_tokens=4, return_dict_in_generate=True, output_attentions=True,
-               assistant_model=drafter)  # fmt: skip
+    for way in (dict(assistant_model=drafter), dict(custom_generate=speculative_generate, drafter=drafter)):
+        with pytest.raises(ValueError) as err:
+            greedy(target, ids, max_new_tokens=4, return_dict_in_generate=return_dict, output_attentions=True, **way)
+        message = str(err.value)
+        assert "`output_attentions`" in message and "Drop it" in message and "without the drafter" in message
+        assert "cache with holes" in message and "\n" not in message
 
 
 def test_qwen3_target_with_qk_norm():
@@ -212,6 +218,23 @@ def test_a_filled_cache_is_refused(target, drafter):
     target(ids, cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="filled `cache`"):
         greedy(target, torch.randint(0, 99, (1, 7)), max_new_tokens=5, assistant_model=drafter, cache=cache)
+
+
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_continuing_a_conversation_cache_is_refused_with_the_way_that_works(target, drafter, name):
+    """A chat continues the previous turn's cache (`past_key_values=out.past_key_values`): refused, naming it and
+    the cached length, and saying to pass the whole conversation as `input_ids`, which gives plain's tokens."""
+    first = greedy(target, torch.randint(0, 99, (1, 5)), max_new_tokens=4, return_dict_in_generate=True)
+    conversation = torch.cat([first.sequences, torch.randint(0, 99, (1, 3))], dim=1)  # + the next user turn
+    cached = first.past_key_values.get_seq_length()
+    for way in (dict(assistant_model=drafter), dict(custom_generate=speculative_generate, drafter=drafter)):
+        with pytest.raises(ValueError) as err:
+            greedy(target, conversation, max_new_tokens=6, **{name: first.past_key_values}, **way)
+        message = str(err.value)
+        assert "`past_key_values`" in message and "`cache`" in message and f"{cached} tokens" in message
+        assert "whole conversation" in message and "`input_ids`" in message and "\n" not in message
+    plain = greedy(target, conversation, max_new_tokens=6, **{name: first.past_key_values})
+    assert torch.equal(plain, greedy(target, conversation, max_new_tokens=6, assistant_model=drafter))
 
 
 def test_left_padded_prompt(target, drafter):

@@ -151,28 +151,38 @@ def _split_stopping(stopping_criteria) -> tuple[set[int], int | None, StoppingCr
 
 def _check_call(model, generation_config, model_kwargs) -> None:
     """Refuse what the speculative loop cannot do, naming the option."""
-    unsupported = {
-        "num_beams": generation_config.num_beams != 1,
-        "num_return_sequences": (generation_config.num_return_sequences or 1) != 1,
-        "output_attentions": bool(generation_config.output_attentions),
+    unsupported = {  # option: (refused?, why)
+        "num_beams": (generation_config.num_beams != 1, "it decodes one sequence per row"),
+        "num_return_sequences": (
+            (generation_config.num_return_sequences or 1) != 1,
+            "it decodes one sequence per row; repeat the prompt in the batch instead",
+        ),
+        "output_attentions": (
+            bool(generation_config.output_attentions),
+            "a verify attends over a cache with holes (rejected drafts), so its attention maps are not plain "
+            "decoding's",
+        ),
     }
-    for name, bad in unsupported.items():
+    for name, (bad, why) in unsupported.items():
         if bad:
             raise ValueError(
                 f"Speculative decoding with a DSpark drafter does not support `{name}` "
-                f"(got {getattr(generation_config, name)!r}); drop it or decode without the drafter."
+                f"(got {getattr(generation_config, name)!r}): {why}. Drop it, or decode without the drafter."
             )
     if model.config.is_encoder_decoder:
         raise ValueError("Speculative decoding with a DSpark drafter needs a decoder-only target.")
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
     if extra:
         raise ValueError(f"Speculative decoding with a DSpark drafter takes text input only; unsupported: {extra}.")
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError(
-            "Speculative decoding with a DSpark drafter starts from the prompt; continuing a filled `cache` is not "
-            "supported. Pass the whole sequence as the prompt instead."
-        )
+    for name in ("cache", "past_key_values"):  # transformers >= 5.25 renames `past_key_values` to `cache`
+        cache = model_kwargs.get(name)
+        cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if cached > 0:  # the drafter needs the target's features of every position, which a cache does not hold
+            raise ValueError(
+                f"Speculative decoding with a DSpark drafter starts from the prompt; continuing a filled `cache` / "
+                f"`past_key_values` ({cached} tokens) is not supported. Pass the whole conversation so far (earlier "
+                "turns, their replies and the new turn) as `input_ids`, without the cache: the output is the same."
+            )
 
 
 # processors that need the whole batch in one call; rows here are processed one by one
