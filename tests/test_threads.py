@@ -1,13 +1,13 @@
 """The intra-op thread count of decoding rounds (`kernels/threads.py`): measured, followed as the load changes, the
 caller's count always put back, the tokens unchanged."""
 
-import time
+import functools
 
 import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from dspark_hf.kernels import threads
+from dspark_hf.kernels import threads, verify_linears
 from dspark_hf.kernels.threads import RoundThreads, round_threads
 
 
@@ -107,7 +107,13 @@ def test_the_callers_count_is_restored_when_a_round_raises(two_threads):
 def test_generate_follows_a_load_that_slows_two_threads(two_threads, monkeypatch):
     """A target whose forwards at two threads take 40 ms longer (a machine another process shares): the rounds move to
     one thread, the tokens are plain greedy's, the caller's count is back afterwards. Negative control: with the
-    choice off every round runs at two threads."""
+    choice off every round runs at two threads.
+
+    The rounds are timed on a fake clock that only the target's forwards move (10 ms at one thread, 50 ms at two), so
+    neither the machine's load nor its speed can change what is measured."""
+    monkeypatch.setattr(verify_linears, "FORCE", "linear")  # no verify kernel on trial: every round is measured
+    clock = {"now": 0.0}
+    monkeypatch.setattr(threads, "RoundThreads", functools.partial(RoundThreads, clock=lambda: clock["now"]))
     target = make_target()
     drafter = make_drafter(target, verify_policy="fixed")
     ids = torch.randint(0, 99, (1, 7))
@@ -116,14 +122,14 @@ def test_generate_follows_a_load_that_slows_two_threads(two_threads, monkeypatch
 
     def loaded(module, args, kwargs):
         counts.append(torch.get_num_threads())
-        if torch.get_num_threads() > 1:
-            time.sleep(0.04)
+        clock["now"] += 0.010 + (0.040 if torch.get_num_threads() > 1 else 0.0)
 
     handle = target.model.register_forward_pre_hook(loaded, with_kwargs=True)
     try:
         out = target.generate(ids, do_sample=False, max_new_tokens=30, assistant_model=drafter)
         assert torch.equal(out, plain)
         assert torch.get_num_threads() == 2
+        assert round_threads(target).clock() == clock["now"]  # the rounds ran on the fake clock
         rounds = counts[1:]  # after the prefill (at the caller's count)
         assert len(rounds) >= 6 and rounds.count(1) >= len(rounds) - 4
         counts.clear()
