@@ -58,7 +58,7 @@ def load_default_target(dtype: torch.dtype = torch.float32):
 
     Reading the GGUF file takes transformers 15-20 s on a small CPU (its metadata, a 49k-token vocabulary, is parsed
     three times), so the first call keeps the dequantized float32 weights (safetensors, 540 MB), the config and the
-    tokenizer in `kept_target_folder()`, and later calls load them from there in under a second: the same weights to
+    tokenizer in `kept_target_folder()`, and later calls load them from there in about a second: the same weights to
     the bit, the same config, tokenizer and chat template (tests/test_default_target.py). `DSPARK_HF_CACHE=0` keeps
     nothing. Every load checks each kept file against the SHA-256 its manifest recorded at conversion (about 0.5 s
     for the 540 MB); a copy that is incomplete or damaged is converted again, with a warning naming the file.
