@@ -61,8 +61,9 @@ def check_folder_free(path: str | os.PathLike, overwrite: bool = False, how: str
 
 def replace_folder(new: str | os.PathLike, path: str | os.PathLike) -> Path:
     """Rename the complete folder `new` to `path`; an existing `path` is first renamed aside (hidden, beside it) and
-    removed only once `new` is in place, so `path` always holds either the old content or the new, never a mix or
-    nothing. Both must be on one filesystem (`new_folder_beside` makes such a folder)."""
+    removed only once `new` is in place (put back if that fails), so `path` holds the old content or the new, never
+    a mix, and the old is deleted only after the new is complete. Between the two renames (microseconds) `path` is
+    absent. Both must be on one filesystem (`new_folder_beside` makes such a folder)."""
     new, path = Path(new), Path(path)
     if not path.exists():
         os.rename(new, path)
