@@ -418,7 +418,7 @@ class DSparkConfig(DrafterConfig):
         tree_budget (`int`): 0 drafts a chain (the block, one token per position); N > 0 drafts a token tree of at
             most N nodes per row, grown best-first by estimated path acceptance and verified in one target forward
             (greedy and seeded sampling rows; see docs/trees.md). The verify policy then chooses how many of the
-            tree's best nodes to verify.
+            tree's best nodes to verify. At most `MAX_TREE_BUDGET` (128): each node is one more verified position.
         context_window (`int`, *optional*): a block anchored at position a attends to the target features of the
             `context_window` positions before it (a - W .. a - 1) and no further, in training and in decoding, so
             the draft pass's cost and behaviour stop depending on the prompt's length (the drafter cache keeps only
