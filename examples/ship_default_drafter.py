@@ -69,7 +69,7 @@ def main() -> None:
         dataset = TokenDataset.load([d / "train.npz" for d in folders])
         drafter.set_draft_vocab(vocab_shortlist(dataset, args.draft_vocab, always=special_token_ids(drafter.config)))
     drafter = drafter.to(torch.bfloat16)
-    out = save_for_hub(drafter, args.out, results=results, training=training, with_code=False)
+    out = save_for_hub(drafter, args.out, results=results, training=training, with_code=False, overwrite=True)
     if args.notes:
         card = out / "README.md"
         card.write_text(card.read_text() + "\n" + Path(args.notes).read_text())

@@ -694,3 +694,13 @@ def test_short_sps_profile_is_extended():
     sps = _covering_sps(table, 40)
     assert sps(3) == 50.0 and sps(40) == pytest.approx(50.0 * 5 / 40)
     assert _covering_sps({b: 1.0 for b in range(1, 41)}, 40)[40] == 1.0  # a covering table is used as it is
+
+
+def test_a_string_prompt_with_a_lone_surrogate_is_named():
+    from helpers import char_tokenizer
+
+    target = make_target()
+    engine = Engine(target, make_drafter(target), tokenizer=char_tokenizer(99))
+    with pytest.raises(ValueError, match=r"lone UTF-16 surrogate \('\\ud800' at character 1\)"):
+        engine.add_request("a\ud800b", max_new_tokens=4)
+    assert engine.generate(["ab"], max_new_tokens=3)  # the engine serves on

@@ -181,6 +181,13 @@ def prompt_token_ids(input_ids, vocab_size: int, tokenizer=None) -> list[int]:
     if isinstance(input_ids, str):
         if tokenizer is None:
             raise TypeError("A string prompt needs `tokenizer=` at Engine construction; or pass token ids.")
+        try:
+            input_ids.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"`input_ids` is not valid Unicode text: it holds a lone UTF-16 surrogate ({e.object[e.start]!r} at "
+                f"character {e.start}); pass text with surrogates only in pairs, or token ids."
+            ) from None
         input_ids = tokenizer.encode(input_ids)
     if isinstance(input_ids, torch.Tensor):
         if input_ids.numel() == 0:
