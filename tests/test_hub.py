@@ -281,6 +281,13 @@ def test_our_custom_generate_with_a_dspark_assistant_routes_once(tmp_path, targe
             )
         assert torch.equal(ref, out), custom
         assert calls == [1] and drafter.generation_stats.num_target_forwards > 0, custom
+    # loading the folder's flat copy in this process left the package's own kernels registered
+    from transformers import AttentionInterface
+
+    from dspark_hf.kernels import verify_attention
+
+    registered = AttentionInterface()[verify_attention.ATTN_IMPLEMENTATION]
+    assert registered is verify_attention.verify_sdpa_attention_forward
 
 
 def test_a_foreign_custom_generate_with_a_dspark_assistant_is_refused(tmp_path, target):

@@ -174,8 +174,12 @@ def _repeated(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
     return _once_per_mask(mask, ("repeat", n_rep), lambda mask: mask.repeat(1, 1, n_rep, 1))
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, verify_sdpa_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+# The installed package's functions always; a flat copy of this file (a `trust_remote_code` or `custom_generate`
+# folder, possibly of an older version) only where nothing is registered yet, so loading a Hub folder in a process
+# that imported the package never replaces its kernel with the folder's.
+if __name__.startswith("dspark_hf.") or ATTN_IMPLEMENTATION not in AttentionInterface():
+    AttentionInterface.register(ATTN_IMPLEMENTATION, verify_sdpa_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 def routable(model) -> bool:
