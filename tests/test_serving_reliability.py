@@ -4,11 +4,12 @@ every endpoint, and an exposed address without a key is warned about."""
 import importlib.util
 import json
 import socket
-import time
+import threading
 import urllib.error
 import urllib.request
 
 import pytest
+from clocks import HANG_S
 from transformers.testing_utils import CaptureLogger
 
 from conftest import make_drafter, make_target
@@ -29,23 +30,20 @@ def models():
     return target, make_drafter(target), tokenizer
 
 
-def start_server(models, slow_step_s=0.0, **server_kwargs):
-    """A one-slot server (port 0) whose engine rounds take at least `slow_step_s`; returns (server, requests)."""
+def start_server(models, wrap_step=None, **server_kwargs):
+    """A one-slot server (port 0), its engine's `step` replaced by `wrap_step(step)` when given; returns (server,
+    requests), `requests` every engine request in the order made."""
     target, drafter, tokenizer = models
     engine = Engine(target, drafter, tokenizer=tokenizer, max_batch_size=1)
-    requests, add_request, step = [], engine.add_request, engine.step
+    requests, add_request = [], engine.add_request
 
     def recording_add_request(*args, **kwargs):
         requests.append(add_request(*args, **kwargs))
         return requests[-1]
 
-    def slow_step():
-        time.sleep(slow_step_s)
-        return step()
-
     engine.add_request = recording_add_request
-    if slow_step_s:
-        engine.step = slow_step
+    if wrap_step is not None:
+        engine.step = wrap_step(engine.step)
     return DSparkServer(engine, tokenizer, port=0, model_name="tiny", **server_kwargs).start(), requests
 
 
@@ -64,31 +62,49 @@ def call(server, method, path, body=None, key=None):
 
 
 def test_an_abandoned_non_streamed_request_is_aborted_and_frees_its_slot(models):
-    """One slot, rounds of >= 0.1 s: a 250-token request takes >= 5 s. Its client leaves after the first tokens; the
-    request is aborted within about a second, and a 3-token request made then is not kept waiting behind it."""
-    server, requests = start_server(models, slow_step_s=0.1)
+    """One slot; a 250-token request whose engine is held still after its first round (so, whatever the machine's
+    load, it cannot finish by itself). Its client leaves; the server's watcher aborts it (no round runs in between),
+    and a 3-token request made then is served in its own few rounds, not queued behind the abandoned one's ~250
+    tokens. Nothing is timed: the waits are hang guards."""
+    started, aborted, release, rounds = threading.Event(), threading.Event(), threading.Event(), []
+
+    def held(step):
+        def held_step():
+            finished = step()
+            rounds.append([r.request_id for r in requests if not r.finished])
+            if requests and requests[0].output_ids and not release.is_set():
+                started.set()  # the abandoned request has its first tokens: no more rounds until the test says so
+                release.wait(HANG_S)
+            return finished
+
+        return held_step
+
+    server, requests = start_server(models, wrap_step=held)
+    abort = server.engine.abort
+    server.engine.abort = lambda request_id: [abort(request_id), aborted.set()][0]
     try:
         body = json.dumps({"prompt": "go", "max_tokens": 250, "temperature": 0}).encode()
-        client = socket.create_connection((server.host, server.port), timeout=10)
+        client = socket.create_connection((server.host, server.port), timeout=HANG_S)
         client.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
-        deadline = time.time() + 30
-        while time.time() < deadline and not (requests and requests[-1].output_ids):
-            time.sleep(0.02)
-        abandoned = requests[-1]
-        assert abandoned.output_ids and not abandoned.finished  # running
+        assert started.wait(HANG_S), "the request never produced its first tokens"
+        abandoned = requests[0]
+        ran = len(abandoned.output_ids)
+        assert 0 < ran < 250 and not abandoned.finished  # running, held between rounds
         client.close()
-        left = time.perf_counter()
-        abandoned.wait(timeout=30)
-        assert time.perf_counter() - left < 3 * serving.DISCONNECT_POLL_S + 1.0
-        assert abandoned.finish_reason == "abort" and len(abandoned.output_ids) < 250
-        start = time.perf_counter()
+        assert aborted.wait(HANG_S), "the client left, but its request was never aborted"
+        release.set()
+        assert abandoned.wait(timeout=HANG_S) is not None and abandoned.finished
+        assert abandoned.finish_reason == "abort" and len(abandoned.output_ids) == ran  # not one round more
+        before = len(rounds)
         status, reply, _ = call(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
         assert status == 200 and reply["usage"]["completion_tokens"] == 3
-        assert time.perf_counter() - start < 2.0  # not queued behind the abandoned request's ~250 tokens
+        assert len(requests) == 2 and requests[1].finish_reason == "length"
+        assert len(rounds) - before <= 6  # admit + at most 3 rounds + retire, not the abandoned one's ~250 tokens
     finally:
+        release.set()
         server.shutdown()
 
 

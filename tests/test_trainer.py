@@ -210,25 +210,46 @@ def test_two_cpu_processes_stay_in_sync(tmp_path):
     assert r0["sum"] == r1["sum"] and r0["first"] == r1["first"]  # ...and the gradients were all-reduced
 
 
+# `dspark-hf` run by the kill -9 test: with PAUSE_IN_SAVE=k it stops for good inside the save of checkpoint-k, its
+# weights and optimiser state written to the temporary folder but not yet its manifest (nor renamed, nor `latest`
+# moved), and says so by creating the file PAUSED: the test kills it there, mid-save, whatever the machine's speed.
+KILL_9_CHILD = """
+import os, sys, threading
+from pathlib import Path
+import dspark_hf.training.trainer as trainer
+pause, write_manifest = os.environ.get("PAUSE_IN_SAVE"), trainer.write_manifest
+def paused_write_manifest(folder):
+    if pause is not None and Path(folder).name == f".checkpoint-{pause}.tmp":
+        Path(os.environ["PAUSED"]).touch()
+        threading.Event().wait()  # until SIGKILL
+    write_manifest(folder)
+trainer.write_manifest = paused_write_manifest
+from dspark_hf.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_kill_9_then_resume_loses_nothing(tmp_path):
-    """SIGKILL a training process mid-run; `--resume` finishes with exactly the weights of an uninterrupted run (which
-    trains beside it, one thread each)."""
+    """SIGKILL a training process mid-run (inside the save of checkpoint-13: 12 is complete, 13's files half
+    written); `--resume` finishes with exactly the weights of an uninterrupted run (which trains beside it, one thread
+    each). The child stops itself at that point, so the kill lands there however loaded the machine is."""
     import os
     import signal
     import subprocess
     import sys
-    import time
+
+    from clocks import wait_for
 
     target = make_target()
     target.save_pretrained(tmp_path / "target")
     tiny_dataset().save(tmp_path / "data.npz")
-    steps = 24
+    steps, killed_in = 24, 13
 
     def command(run):
         return [
             sys.executable,
-            "-m",
-            "dspark_hf.cli",
+            "-c",
+            KILL_9_CHILD,
             "train",
             "--set",
             f"data={tmp_path / 'data.npz'}",
@@ -246,31 +267,34 @@ def test_kill_9_then_resume_loses_nothing(tmp_path):
         ]
 
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    paused = tmp_path / "paused"
     errors = (tmp_path / "straight.err").open("w")
     straight = subprocess.Popen(command("straight"), env=env, stdout=subprocess.DEVNULL, stderr=errors)
-    proc = subprocess.Popen(command("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = tmp_path / "killed" / "latest"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and int(latest.read_text().split("-")[1]) >= 3:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = int(latest.read_text().split("-")[1])
-    assert killed_at < steps
-    subprocess.run(command("killed") + ["--resume"], env=env, check=True, capture_output=True, timeout=300)
+    killed_env = dict(env, PAUSE_IN_SAVE=str(killed_in), PAUSED=str(paused))
+    with (tmp_path / "killed.err").open("w") as killed_errors:  # a file, not a pipe: a full pipe would block it
+        proc = subprocess.Popen(command("killed"), env=killed_env, stdout=subprocess.DEVNULL, stderr=killed_errors)
+    try:
+        wait_for(lambda: paused.exists() or proc.poll() is not None, timeout=300, what="the pause before the kill")
+        assert proc.poll() is None, "the run ended before the pause: " + (tmp_path / "killed.err").read_text()[-3000:]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    run = tmp_path / "killed"
+    assert (run / "latest").read_text() == f"checkpoint-{killed_in - 1}"  # the last complete one
+    assert (run / f".checkpoint-{killed_in}.tmp").is_dir() and not (run / f"checkpoint-{killed_in}").exists()
+    resumed = subprocess.run(command("killed") + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert straight.wait(timeout=300) == 0, (tmp_path / "straight.err").read_text()
     errors.close()
     from dspark_hf import DSparkDraftModel
 
-    a = DSparkDraftModel.from_pretrained(tmp_path / "killed" / f"checkpoint-{steps}")
+    a = DSparkDraftModel.from_pretrained(run / f"checkpoint-{steps}")
     b = DSparkDraftModel.from_pretrained(tmp_path / "straight" / f"checkpoint-{steps}")
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
-    logged = [json.loads(line)["step"] for line in (tmp_path / "killed" / "log.jsonl").read_text().splitlines()]
-    assert set(range(1, steps + 1)) <= set(logged)  # every step was logged at least once (some twice, after the kill)
+    logged = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, killed_in + 1)) + list(range(killed_in, steps + 1))  # step 13 logged twice
 
 
 def test_init_from_target_copies_the_top_layers():

@@ -1,9 +1,10 @@
 """The few-rows products of verify passes (`verify_head`): same products, used only while verifying, lossless."""
 
-import time
+import functools
 
 import pytest
 import torch
+from clocks import FakeClock
 from torch import nn
 
 from conftest import make_drafter, make_target
@@ -207,27 +208,33 @@ def test_padded_steps_reject_a_4d_mask():
 
 
 def test_slow_kernels_are_dropped_and_output_stays_identical(monkeypatch):
-    """Few-row products made 50 ms slower per LM-head product (packing off): the machine's measurement keeps them
-    out of every verify; the tokens are plain decoding's throughout, and the choice lives beside the target."""
+    """Few-row products made 50 ms slower per LM-head product (packing off) on a simulated clock that moves only by
+    those 50 ms, so the machine's load cannot change what is measured: the measurement keeps them out of every
+    verify; the tokens are plain decoding's throughout, and the choice lives beside the target."""
     monkeypatch.setattr(verify_linears, "ENABLED", False)
     target = make_target()
     drafter = make_drafter(target, verify_policy="fixed")
     ids = torch.randint(0, 99, (1, 7))
     plain = target.generate(ids, do_sample=False, max_new_tokens=40)
     original = verify_head.linear_few_rows
-    calls = []
+    calls, clock = [], FakeClock(tick=1e-6)  # every reading 1 us on: no way measures 0 s
 
     def slow(hidden, weight, bias=None):
         calls.append(hidden.numel() // hidden.shape[-1])
         if weight.shape[0] == 99:  # the LM head, once per pass
-            time.sleep(0.05)
+            clock.sleep(0.05)
         return original(hidden, weight, bias)
 
     monkeypatch.setattr(verify_head, "linear_few_rows", slow)
+    # the first verify measures the kernels (`VerifyKernels.ensure` -> `measure`) and every verify is timed: both on
+    # the simulated clock
+    monkeypatch.setattr(verify_linears, "measure", functools.partial(verify_linears.measure, clock=clock))
+    monkeypatch.setitem(verify_linears._CHOICES, target, verify_linears.VerifyKernels(clock=clock))
     out = target.generate(ids, do_sample=False, max_new_tokens=40, assistant_model=drafter)
     assert torch.equal(out, plain)
     table = kernel_choice(target).table
     assert table.choice and all(way == "linear" for way, _ in table.choice.values())
+    assert max(table.ms["linear"].values()) < 1 and min(table.ms["few rows"].values()) > 49  # simulated ms
     assert "_dspark" not in str(sorted(vars(target)))
     choice, calls_per_pass = kernel_choice(target), len(eligible_linears(target))
     assert all(
