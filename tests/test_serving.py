@@ -491,6 +491,7 @@ def test_a_burst_of_connections_waits_in_the_backlog_instead_of_being_refused(se
         server.httpd.get_request = get_request
     try:
         for sock in socks:
+            sock.settimeout(60)  # the kernel accepts a queued connect at once; answering 48 may take long under load
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         for sock in socks:
             reply = b""

@@ -9,9 +9,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from clocks import HANG_S
 from transformers.testing_utils import CaptureLogger
 
+from clocks import HANG_S
 from conftest import make_drafter, make_target
 from dspark_hf import Engine
 from dspark_hf.serving import server as serving

@@ -4,9 +4,9 @@ import functools
 
 import pytest
 import torch
-from clocks import FakeClock
 from torch import nn
 
+from clocks import FakeClock
 from conftest import make_drafter, make_target
 from dspark_hf.kernels import verify_head, verify_linears
 from dspark_hf.kernels.verify_head import (

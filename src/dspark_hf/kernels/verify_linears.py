@@ -455,7 +455,7 @@ class VerifyKernels:
     def ensure(self, model: nn.Module, linears: list[nn.Linear] | None = None) -> KernelTable:
         if self.table is None:
             start = time.perf_counter()
-            self.table = measure(model, linears)
+            self.table = measure(model, linears, clock=self.clock)
             logger.info(
                 f"Measured the target's verify kernels in {time.perf_counter() - start:.1f} s: "
                 f"{ {r: w for r, (w, _) in self.table.choice.items()} }"
