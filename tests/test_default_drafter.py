@@ -66,7 +66,7 @@ def test_the_shipped_drafter_exports_to_vllm_and_llamacpp():
     """Issue 35: the default goes to the engines as it is (QK-norm, a vocabulary mask token, the window carried as a
     sliding window); its tiny q/k weights keep it out of float16."""
     from dspark_hf.integrations.export import export_blockers
-    from dspark_hf.kernels.weights import below_float16
+    from dspark_hf.utils.devices import below_float16
 
     assert CONFIG.use_qk_norm and CONFIG.mask_token_id is not None and CONFIG.context_window is not None
     assert export_blockers(CONFIG) == []

@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_drafter, make_target
 from dspark_hf.decoding import core
-from dspark_hf.kernels.weights import below_float16
+from dspark_hf.utils.devices import below_float16
 from helpers import first_divergence, pin_drafter, tiny_qk
 
 

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
 from .kernels.packed_linear import inference_dtype
-from .kernels.weights import below_float16
 from .models.configuration_dspark import DSparkConfig
 from .models.modeling_dspark import DSparkDraftModel
+from .utils.devices import below_float16
 from .utils.files import atomic_write_json, new_folder_beside, replace_folder
 
 
@@ -253,7 +253,7 @@ def load_default(
 ):
     """`(target, tokenizer, drafter)` for the embedded default: the target in `dtype`, the drafter in `drafter_dtype`
     (default: `packed_linear.inference_dtype`, bf16 on a CPU that computes it natively, else `dtype`; bfloat16 instead
-    of a float16 default when weights of the drafter lie below float16's range, `kernels.weights.below_float16`).
+    of a float16 default when weights of the drafter lie below float16's range, `utils.devices.below_float16`).
 
     The drafter is `drafter_path`, else the checkpoint shipped in `dspark_hf/default_drafter/`, else (until a trained
     one ships) a clearly labelled untrained drafter (`drafter.is_untrained` is True, and a warning says so).

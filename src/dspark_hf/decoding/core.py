@@ -39,8 +39,9 @@ from ..kernels.lean_forward import run_target
 from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
-from ..kernels.weights import model_device, per_token_activations, per_token_linears
+from ..kernels.weights import per_token_activations, per_token_linears
 from ..utils.compat import selects_hidden_states
+from ..utils.devices import model_device
 from .acceptance import accept_greedy, accept_tree
 from .drafting import candidate_generator_for, tree_drafts
 from .lookup import LookupConfidence, SuffixIndex, expected_depth

@@ -22,8 +22,9 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..kernels.packed_linear import pack_linears
-from ..kernels.weights import below_float16, below_float16_text, model_device, module_device, out_features
+from ..kernels.weights import out_features
 from ..models.configuration_dspark import EARLY_DRAFT_POSITIONS
+from ..utils.devices import below_float16, below_float16_text, model_device, module_device
 from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
 from .scheduler import conditional_confidences

@@ -28,7 +28,8 @@ from transformers.utils import logging
 from ..kernels.lean_forward import run_target
 from ..kernels.verify_head import eligible_linears, version
 from ..kernels.verify_linears import KernelTable, kernel_choice
-from ..kernels.weights import model_device, per_token_activations, per_token_linears, quantization
+from ..kernels.weights import per_token_activations, per_token_linears, quantization
+from ..utils.devices import model_device
 from .scheduler import SPS
 
 

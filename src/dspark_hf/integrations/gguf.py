@@ -33,8 +33,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..kernels.weights import below_float16, below_float16_text
 from ..models.modeling_dspark import DSparkDraftModel
+from ..utils.devices import below_float16, below_float16_text
 from .export import check_exportable
 from .speculators import export_speculators
 
@@ -96,7 +96,7 @@ def export_gguf(
 
     `tokenizer` is the target's (the GGUF carries the vocabulary llama.cpp compares with the target's). `outtype` is
     the converter's (f32, f16, bf16, q8_0), or "auto": f16, or bf16 when weights of the drafter lie below float16's
-    range (`kernels.weights.below_float16`, e.g. an exact QK-norm twin's q/k projections), which f16 and q8_0 refuse.
+    range (`utils.devices.below_float16`, e.g. an exact QK-norm twin's q/k projections), which f16 and q8_0 refuse.
     `python` runs the converter (default: this interpreter); it needs
     llama.cpp's converter requirements (`requirements/requirements-convert_hf_to_gguf.txt`: torch, numpy,
     sentencepiece, transformers), e.g. a separate environment. `ValueError` names what llama.cpp cannot carry;

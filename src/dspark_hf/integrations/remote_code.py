@@ -24,6 +24,7 @@ MODULES = (
     "utils.files",
     "utils.checkpoints",
     "utils.compat",
+    "utils.devices",
     "kernels.fingerprint",
     "kernels.few_rows",
     "kernels.weights",

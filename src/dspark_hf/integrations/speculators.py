@@ -44,8 +44,8 @@ import torch
 from safetensors.torch import save_file
 from transformers.utils import logging
 
-from ..kernels.weights import below_float16, below_float16_text
 from ..models.modeling_dspark import DSparkDraftModel
+from ..utils.devices import below_float16, below_float16_text
 from .export import check_exportable, write_folder, write_json
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from ..utils.devices import module_device
 from .few_rows import kept_copy
 
 
@@ -86,34 +87,6 @@ def plain_tensor(tensor: torch.Tensor) -> bool:
         and tensor.dtype.is_floating_point
         and tensor.device.type != "meta"
     )
-
-
-def module_device(module: nn.Module) -> torch.device:
-    """Where the module's inputs go: its weight's device (a hooked, offloaded module: its hook's execution device)."""
-    hook = getattr(module, "_hf_hook", None)
-    device = getattr(hook, "execution_device", None)
-    if device is not None:
-        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    weight = _raw_weight(module)
-    if callable(weight) and not isinstance(weight, torch.Tensor):  # dynamic int8: weight() is a CPU tensor
-        return torch.device("cpu")
-    for tensor in (weight, getattr(module, "qweight", None), *module.parameters(), *module.buffers()):
-        if isinstance(tensor, torch.Tensor):
-            return tensor.device
-    return torch.device("cpu")
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where a model computes: its first parameter's device, or, for a model offloaded with accelerate (weights on
-    the meta device until a hook moves them in), its hooks' execution device."""
-    first = next(model.parameters(), None)
-    if first is not None and first.device.type != "meta":
-        return first.device
-    for module in model.modules():
-        device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-        if device is not None:
-            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    return torch.device("cpu") if first is None else first.device
 
 
 def out_features(module: nn.Module) -> int:
@@ -234,32 +207,6 @@ def rounds_by_call(module: nn.Module) -> bool:
     return cls.__module__.startswith("torch.ao.nn.quantized.dynamic") and cls.__name__ == "Linear"
 
 
-FLOAT16_TINY = torch.finfo(torch.float16).tiny  # 2^-14: float16's smallest normal number
-
-
-def below_float16(model: nn.Module) -> list[str]:
-    """Names of `model`'s floating parameters whose every nonzero value lies below float16's normal range (under
-    2^-14 in magnitude), where float16 keeps at most a few bits of them or none: e.g. the q/k projections of an
-    exact QK-norm twin (`examples/make_exportable_drafter.py`, ~1e-8). Such a model must run, and be stored, in
-    bfloat16 or float32; in float16 those products vanish and it drafts noise."""
-    names = []
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and param.numel():
-            peak = float(param.detach().abs().max())
-            if 0 < peak < FLOAT16_TINY:
-                names.append(name)
-    return names
-
-
-def below_float16_text(names: list[str]) -> str:
-    """The shared part of every message about `below_float16`'s `names` (the callers add what to do instead)."""
-    shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
-    return (
-        f"weights of this drafter ({shown}) lie below float16's normal range (e.g. the q/k projections of an exact "
-        "QK-norm twin, ~1e-8), so float16 rounds them away and it would draft noise"
-    )
-
-
 @functools.cache
 def _per_token_class(cls: type) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,8 +254,6 @@ __all__ = [
     "in_features",
     "input_dtype",
     "is_dense",
-    "model_device",
-    "module_device",
     "out_features",
     "per_token_activations",
     "per_token_linears",

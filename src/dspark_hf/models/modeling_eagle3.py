@@ -25,7 +25,8 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from ..kernels.weights import module_device, out_features
+from ..kernels.weights import out_features
+from ..utils.devices import module_device
 from .configuration_eagle3 import Eagle3Config
 from .modeling_dspark import DrafterMixin, DSparkBlockDraft
 from .modeling_dspark_layers import (

@@ -22,7 +22,7 @@ from ..decoding.drafting import is_drafter
 from ..decoding.policy import VerifyPolicy
 from ..decoding.rows import Row
 from ..decoding.scheduler import SPS
-from ..kernels.weights import model_device
+from ..utils.devices import model_device
 from .request import Request, check_sampling_settings, prompt_token_ids
 
 

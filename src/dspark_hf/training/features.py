@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from ..kernels.weights import module_device
+from ..utils.devices import module_device
 from ..utils.files import atomic_write_json
 from .step import target_features
 
