@@ -66,6 +66,11 @@ def test_drafter_diverging_at_each_position(target, diverge_at):
     rates = stats.per_position_acceptance
     assert rates[diverge_at] == 0.0
     assert all(r == 1.0 for r in rates[:diverge_at])
+    # how each token was committed: the prefill's, then per round `diverge_at` drafts at depths 1.. and the bonus
+    origins = stats.token_origins()
+    assert len(origins) == 21 == stats.num_new_tokens
+    round_ = [("drafter", k) for k in range(1, diverge_at + 1)] + [("target", 0)]
+    assert origins == ([("target", 0)] + round_ * 21)[:21]
 
 
 def test_zero_drafts_when_confidence_is_never_enough(target):

@@ -202,6 +202,20 @@ def test_stats_per_position_and_tau():
         stats.record_step(2, 3)
 
 
+def test_token_origins_follow_each_steps_source_and_clipping():
+    stats = DSparkGenerationStats(block_size=3, num_new_tokens=10)
+    stats.record_step(3, 2)  # two drafts, then the bonus
+    stats.record_step(3, 3, source="lookup")  # a lookup chain, all accepted, then the bonus
+    stats.record_step(0, 0)  # a plain round
+    stats.record_step(3, 3, stopped=True, committed=1)  # the row stopped after one draft
+    assert stats.token_origins() == [
+        ("target", 0), ("drafter", 1), ("drafter", 2), ("target", 0),
+        ("lookup", 1), ("lookup", 2), ("lookup", 3), ("target", 0), ("target", 0), ("drafter", 1),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="source"):
+        stats.record_step(1, 1, source="oracle")
+
+
 @pytest.mark.parametrize("shape", [(1, 7, 32), (3, 32), (2, 9, 32), (1, 0, 32), (40, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_few_rows_equals_linear(shape, with_bias):

@@ -508,8 +508,9 @@ class SpeculativeDecoder:
             taken = row.commit(new, processed[i, slots], logits[i, slots], states)
             verified_depth = max(depths[i][: drafts.lengths[i]], default=0) if depths is not None else None
             row.stats.record_step(
-                drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i], depth=verified_depth
-            )
+                drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i], depth=verified_depth,
+                source=self._source(i, n_acc, path_slots), committed=taken,
+            )  # fmt: skip
             row.seq += new[:taken]
             if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor)
                 context = features[i, slots]
@@ -517,6 +518,16 @@ class SpeculativeDecoder:
             self.counts["request_rounds"] += 1
             self.counts["verified_drafts"] += drafts.lengths[i]
             self.counts["accepted_drafts"] += n_acc
+
+    def _source(self, i: int, accepted: int, path_slots=None) -> str:
+        """Where row i's accepted drafts came from this round: "lookup" for its lookup chain, or in a tree where the
+        accepted path runs along the grafted lookup path; else "drafter"."""
+        if i not in self._looked_up or not accepted:
+            return "drafter"
+        if i not in self._lookup_paths:
+            return "lookup"
+        path = self._lookup_paths[i]
+        return "lookup" if [s - 1 for s in path_slots[i][1:]] == path[:accepted] else "drafter"
 
     def _crop(self) -> None:
         """Drop trailing holes; compact a cache whose holes pile up (the target's whenever a sliding window would

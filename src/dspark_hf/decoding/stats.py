@@ -33,18 +33,46 @@ class DSparkGenerationStats:
     lookup_rounds: int = 0
     fewer_threads_rounds: int = 0
     verify_depths: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per step: "drafter" or "lookup", where its drafts came from
+    committed: list[int] = field(default_factory=list)  # per step: tokens committed (accepted + bonus, clipped)
 
-    def record_step(self, verified: int, accepted: int, stopped: bool = False, survival=None, depth=None) -> None:
+    def record_step(
+        self,
+        verified: int,
+        accepted: int,
+        stopped: bool = False,
+        survival=None,
+        depth=None,
+        source: str = "drafter",
+        committed: int | None = None,
+    ) -> None:
         """One verify pass; `survival` is the calibrated cumulative survival of the positions the drafter examined
-        (kept for calibration checks and the what-if simulator); `depth`: a tree's deepest verified node."""
+        (kept for calibration checks and the what-if simulator); `depth`: a tree's deepest verified node; `source`:
+        "drafter" or "lookup" (a context lookup's chain, `lookup.py`); `committed`: the tokens the step committed
+        (default: the accepted drafts and the bonus; fewer where the row stopped)."""
         depth = verified if depth is None else depth
         if not 0 <= accepted <= min(verified, depth):
             raise ValueError(f"accepted ({accepted}) must lie in 0..verified ({verified}) and 0..depth ({depth}).")
+        if source not in ("drafter", "lookup"):
+            raise ValueError(f"source must be 'drafter' or 'lookup', got {source!r}.")
+        self.sources.append(source)
+        self.committed.append(accepted + 1 if committed is None else committed)
         self.verify_depths.append(depth)
         self.verify_lengths.append(verified)
         self.accepted_lengths.append(accepted)
         self.stopped.append(stopped)
         self.survivals.append(list(survival or []))
+
+    def token_origins(self) -> list[tuple[str, int]]:
+        """How each new token of a one-row call was committed, in order: ("target", 0) for the target's own token
+        (the prefill's first and each step's bonus), ("drafter", k) or ("lookup", k) for a draft accepted at depth k
+        (1-based). For a batch the rows' steps are pooled, so this is meaningful for batch 1 only."""
+        origins = [("target", 0)] if self.num_new_tokens else []
+        sources = self.sources if len(self.sources) == len(self.accepted_lengths) else ["drafter"] * len(self.sources)
+        for accepted, committed, source in zip(self.accepted_lengths, self.committed, sources):
+            origins += [(source, k) for k in range(1, min(accepted, committed) + 1)]
+            origins += [("target", 0)] * (committed > accepted)
+        return origins[: self.num_new_tokens]
 
     @property
     def num_target_forwards(self) -> int:
@@ -137,6 +165,8 @@ class DSparkGenerationStats:
             merged.verify_lengths += s.verify_lengths
             merged.accepted_lengths += s.accepted_lengths
             merged.stopped += s.stopped
+            merged.sources += s.sources
+            merged.committed += s.committed
             merged.survivals += s.survivals
             merged.gated_rounds += s.gated_rounds
             merged.lookup_rounds += s.lookup_rounds
