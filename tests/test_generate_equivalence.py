@@ -70,7 +70,9 @@ def test_drafter_diverging_at_each_position(target, diverge_at):
     origins = stats.token_origins()
     assert len(origins) == 21 == stats.num_new_tokens
     round_ = [("drafter", k) for k in range(1, diverge_at + 1)] + [("target", 0)]
-    assert origins == ([("target", 0)] + round_ * 21)[:21]
+    full = 21 - len(round_)  # the last round may verify fewer drafts (the length limit caps them)
+    assert origins[:full] == ([("target", 0)] + round_ * 21)[:full]
+    assert all(kind == "target" or (kind == "drafter" and 1 <= k <= diverge_at) for kind, k in origins[full:])
 
 
 def test_zero_drafts_when_confidence_is_never_enough(target):

@@ -128,7 +128,7 @@ def test_gated_rounds_still_verify_lookup_drafts(monkeypatch):
     continuation (Algorithm 1 prices it on the SPS profile, with no draft cost), and the output is plain greedy's."""
     from dspark_hf.decoding import policy
     from dspark_hf.decoding.drafting import DSparkCandidateGenerator
-    from dspark_hf.decoding.scheduler import DraftGate
+    from dspark_hf.decoding.gate import DraftGate
 
     monkeypatch.setattr(policy, "DraftGate", lambda sps, _seconds=None, **_: DraftGate(sps, draft_seconds=1.0))
     passes = []
@@ -168,11 +168,12 @@ def test_a_lookup_chain_longer_than_the_drafters_widens_the_round():
     decoder.rows = [_Row([7, 8, 9, 1, 2, 3, 4, 5, 7, 8, 9]), _Row([1, 2, 3])]  # row 1: nothing recurs
     vocab = target.config.vocab_size
     drafts = Drafts(torch.tensor([[6], [6]]), torch.zeros(2, 1, vocab), [1, 1], [[0.1], [0.1]])
-    caps = decoder._look_up(drafts, [5, 5])
+    drafts, caps = decoder.lookup.merge(decoder.rows, drafts, [5, 5], min_n=3)
     assert drafts.tokens.tolist() == [[1, 2, 3, 4, 5], [6, 0, 0, 0, 0]] and drafts.logits.shape == (2, 5, vocab)
-    assert caps == [5, 5] and decoder._looked_up == {0: 3} and drafts.conditional[1] == [0.1]
-    assert drafts.conditional[0] == decoder.lookup_confidence.conditional(3, 5)
-    caps = decoder._look_up(Drafts(torch.tensor([[6], [6]]), None, [1, 1], [[0.1], [0.1]]), [2, 0])
+    assert caps == [5, 5] and drafts.lookup == {0: 3} and drafts.conditional[1] == [0.1]
+    assert drafts.conditional[0] == decoder.lookup.confidence.conditional(3, 5)
+    drafts = Drafts(torch.tensor([[6], [6]]), None, [1, 1], [[0.1], [0.1]])
+    _, caps = decoder.lookup.merge(decoder.rows, drafts, [2, 0], min_n=3)
     assert caps == [2, 0]  # a cap bounds the lookup too; a row without room is left alone
 
 

@@ -11,6 +11,7 @@ import dspark_hf.decoding.profiling as profiling
 from conftest import make_drafter, make_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
+from dspark_hf.decoding.gate import DraftGate
 from dspark_hf.decoding.profiling import (
     PROFILE_FORMAT,
     find_profile,
@@ -21,7 +22,6 @@ from dspark_hf.decoding.profiling import (
     sps_for,
     sps_table,
 )
-from dspark_hf.decoding.scheduler import DraftGate
 
 
 def quick_profile(target, n=5, **kwargs):

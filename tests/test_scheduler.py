@@ -4,13 +4,11 @@ import math
 
 import pytest
 
+from dspark_hf.decoding.gate import DraftGate, RoundCosts, drafting_pays
 from dspark_hf.decoding.policy import VerifyPolicy
 from dspark_hf.decoding.scheduler import (
-    DraftGate,
-    RoundCosts,
     SPSCurve,
     conditional_confidences,
-    drafting_pays,
     prefix_schedule,
     settled_prefix_schedule,
     verify_width,

@@ -27,8 +27,6 @@ docs/architecture.md).
 """
 
 import inspect
-import itertools
-import operator
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -43,13 +41,13 @@ from ..kernels.weights import per_token_activations, per_token_linears
 from ..utils.compat import selects_hidden_states
 from ..utils.devices import model_device
 from .acceptance import accept_greedy, accept_tree
-from .drafting import candidate_generator_for, tree_drafts
-from .lookup import LookupConfidence, SuffixIndex, expected_depth
+from .drafting import candidate_generator_for
+from .lookup import LookupDrafts
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, choose_tokens, process_logits
 from .stats import RECORDERS, DraftRound
-from .trees import graft, slot_parents, slot_paths, tree_attention_mask, unpack_trees
+from .trees import slot_parents, slot_paths, tree_attention_mask
 
 
 SELECT_HIDDEN_STATES = True  # False: ask the target for every layer's hidden states (for side-by-side timings)
@@ -111,9 +109,7 @@ class SpeculativeDecoder:
         self._threads = round_threads(target) if self.device.type == "cpu" else None
         self.target_cache = RaggedCache(self.device)
         self.rows: list[Row] = []
-        self.lookup_confidence = LookupConfidence()  # how often lookup drafts are accepted, learned as rounds verify
-        self._looked_up: dict[int, int] = {}  # this round: row index -> match length of its lookup draft
-        self._lookup_paths: dict[int, list[int]] = {}  # a tree round: row index -> the grafted path's nodes
+        self.lookup = LookupDrafts()  # drafts copied from a row's own context; how often they are accepted, learned
         self._joined = False  # rows joined since the last round
         self.counts = dict.fromkeys(
             ("rounds", "prefills", "request_rounds", "verified_drafts", "accepted_drafts", "compactions",
@@ -224,7 +220,6 @@ class SpeculativeDecoder:
         if not self.rows:
             return
         start = _clock(self.device) if RECORDERS else 0.0
-        self._looked_up, self._lookup_paths = {}, {}
         drafted = self._drafting_pays()
         with self._measured_threads(drafted):
             drafts = self._draft() if drafted else self._lookup_only()
@@ -232,11 +227,11 @@ class SpeculativeDecoder:
             logits, features, hidden = self._verify(drafts)
             if record is not None:
                 record.verify_seconds = _clock(self.device) - record.start - record.seconds
-            accepted, bonus, processed, path_slots = self._accept(drafts, logits)
-            self._learn_lookups(drafts, accepted, path_slots)
-            self._commit(drafts, accepted, bonus, processed, logits, features, hidden, path_slots)
-            if self.policy is not None and self.policy.gate is not None:  # the round's time per token, for the gate
-                self.policy.gate.end_round(sum(accepted) + len(accepted), measured=self._typical())
+            accepted, bonus, processed, paths = self._accept(drafts, logits)
+            self._count("lookup_rounds", [self.rows[i] for i in self.lookup.learn(drafts, accepted, paths)])
+            self._commit(drafts, accepted, bonus, processed, logits, features, hidden, paths)
+            if self.policy is not None:  # the round's time per token, for the draft gate
+                self.policy.end_round(sum(accepted) + len(accepted), measured=self._typical())
         if record is not None:
             record.accepted, record.end = sum(accepted), _clock(self.device)
             RECORDERS[-1].append(record)
@@ -300,28 +295,24 @@ class SpeculativeDecoder:
         caps = self._caps()
         if self.candidates is None or max(caps) == 0:  # no row may take a draft: a plain step, not a gated one
             return False
-        gate = self.policy.gate
-        if gate is None or gate.should_draft([row.hint for row in self.rows], caps):
+        if self.policy.should_draft([row.hint for row in self.rows], caps):
             return True
         self._count("gated_rounds", self.rows)
         return False
 
     def _draft(self) -> Drafts:
         """draft → choose lengths; timed, with the confidences seen, for the gate."""
-        gate = self.policy.gate
         start = time.perf_counter()
         caps = self._caps()
         self._check_tree()
         drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
-        if self.context_lookup and drafts.is_tree:
-            drafts = self._graft_lookups(drafts, caps)
-        elif self.context_lookup:
-            caps = self._look_up(drafts, caps)
+        if self.context_lookup:
+            drafts, caps = self.lookup.merge(self.rows, drafts, caps, self.context_lookup, self.tree_budget)
         # a chain's caps bound its positions, a tree's its depth: the policy then chooses among its nodes
         limits = drafts.lengths if drafts.is_tree else caps
         drafts.lengths = self.policy.lengths(drafts.conditional, limits)
-        if gate is not None:  # the survivals were read back: the time includes the device's work
-            gate.record(time.perf_counter() - start, drafts.conditional, drafts.lengths)
+        # the survivals were read back: the time includes the device's work
+        if self.policy.record_draft(time.perf_counter() - start, drafts.conditional, drafts.lengths):
             for row, conditional in zip(self.rows, drafts.conditional):
                 row.hint = conditional
         return drafts
@@ -334,75 +325,11 @@ class SpeculativeDecoder:
         caps = self._caps()
         if not self.context_lookup or max(caps) == 0:  # (with trees on too: such a round is a chain's)
             return drafts
-        caps = self._look_up(drafts, caps)
-        if self._looked_up:
-            caps = [cap if i in self._looked_up else 0 for i, cap in enumerate(caps)]
+        drafts, caps = self.lookup.merge(self.rows, drafts, caps, self.context_lookup)
+        if drafts.lookup:
+            caps = [cap if i in drafts.lookup else 0 for i, cap in enumerate(caps)]
             drafts.lengths = self.policy.lengths(drafts.conditional, caps)
         return drafts
-
-    def _look_up(self, drafts: Drafts, caps: list[int]) -> list[int]:
-        """Each row whose suffix occurred earlier in its sequence may draft what followed it there instead of the
-        drafter's block (`lookup.py`): it does where that chain's expected accepted depth is the larger. Returns the
-        caps with a lookup row's cut to its lookup tokens (the columns after them are the drafter's, never verified).
-        """
-        caps, drafts.conditional = list(caps), list(drafts.conditional)
-        for i, row in enumerate(self.rows):
-            found, n = self._continuation(row, caps[i])
-            if not found:
-                continue
-            conditional = self.lookup_confidence.conditional(n, len(found))
-            if expected_depth(conditional, caps[i]) <= expected_depth(drafts.conditional[i], caps[i]):
-                continue
-            if len(found) > drafts.tokens.shape[1]:  # the drafter stopped sampling early: widen the chains
-                extra = len(found) - drafts.tokens.shape[1]
-                drafts.tokens = torch.nn.functional.pad(drafts.tokens, (0, extra))
-                if drafts.logits is not None:
-                    drafts.logits = torch.nn.functional.pad(drafts.logits, (0, 0, 0, extra))
-            drafts.tokens[i, : len(found)] = torch.tensor(found, device=drafts.tokens.device)
-            drafts.conditional[i] = conditional
-            caps[i] = min(caps[i], len(found))
-            self._looked_up[i] = n
-        return caps
-
-    def _continuation(self, row: Row, cap: int) -> tuple[list[int], int]:
-        """Up to `cap` tokens that followed the row's suffix where it occurred before, and the match length."""
-        if cap < 1:
-            return [], 0
-        if row.suffix_index is None or row.suffix_index.min_n != self.context_lookup:
-            row.suffix_index = SuffixIndex(self.context_lookup)
-        return row.suffix_index.continuation(row.seq, cap)
-
-    def _graft_lookups(self, drafts: Drafts, caps: list[int]) -> Drafts:
-        """`_look_up` for trees: a row whose suffix recurs grafts what followed it there into its tree as one more
-        path (`trees.graft`), with the lookup's estimates; the policy then chooses among all the nodes, so the
-        drafter's branches and the copied one are verified together. Returns the drafts, new where a row grafted."""
-        trees = None
-        for i, row in enumerate(self.rows):
-            found, n = self._continuation(row, caps[i])
-            if not found:
-                continue
-            if trees is None:
-                trees = unpack_trees(drafts.tokens, drafts.parents, drafts.lengths, drafts.survival)
-            estimates = itertools.accumulate(self.lookup_confidence.conditional(n, len(found)), operator.mul)
-            trees[i], self._lookup_paths[i] = graft(trees[i], found, list(estimates), self.tree_budget)
-            self._looked_up[i] = n
-        return drafts if trees is None else tree_drafts(trees, drafts.tokens.device)
-
-    def _learn_lookups(self, drafts: Drafts, accepted: list[int], path_slots=None) -> None:
-        """What this round's lookup drafts were worth: the confidence learns from them, the stats count them. In a
-        tree, the lookup path's nodes within the verified ones count as verified, those on the accepted path as
-        accepted."""
-        for i, n in self._looked_up.items():
-            verified, taken = drafts.lengths[i], accepted[i]
-            if i in self._lookup_paths:
-                path, on_path = self._lookup_paths[i], set(path_slots[i])
-                verified = sum(node < drafts.lengths[i] for node in path)
-                taken = 0  # the path's nodes at slot node + 1, from the first, while on the accepted path
-                while taken < verified and path[taken] + 1 in on_path:
-                    taken += 1
-            self.lookup_confidence.update(n, verified, taken)
-            if verified:
-                self._count("lookup_rounds", [self.rows[i]])
 
     def _verify(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """One target forward over [anchor, ℓ_r drafts] per row, padded to W = max ℓ_r + 1 and masked.
@@ -443,8 +370,8 @@ class SpeculativeDecoder:
         return out.logits.to(self.device).float(), features, out.hidden_states if keep_hidden else None
 
     def _accept(self, drafts: Drafts, logits: torch.Tensor):
-        """Accepted draft count and bonus token per row, the processed target logits (B, W, V) and, for trees, the
-        slots of each row's accepted path (the anchor's included; None for chains).
+        """Accepted draft count and bonus token per row, the processed target logits (B, W, V) and the slots of each
+        row's accepted path (the anchor's 0 first; a chain's is 0..accepted, a tree's the nodes walked).
 
         choose: the target's token at every slot a row verifies, from that slot's processed logits: the argmax, or
         for a sampling row argmax(logits + g_{seed, position}) (`choose_tokens`). accept: the longest prefix of drafts
@@ -459,7 +386,8 @@ class SpeculativeDecoder:
         processed = process_logits(self.rows, logits, tokens)
         choices = choose_tokens(self.rows, processed, counts=[n + 1 for n in drafts.lengths])  # (B, W)
         accepted, bonus = accept_greedy(tokens, choices, lengths)
-        return accepted.tolist(), bonus.tolist(), processed, None
+        accepted = accepted.tolist()
+        return accepted, bonus.tolist(), processed, [list(range(n + 1)) for n in accepted]
 
     def _accept_tree(self, drafts: Drafts, logits, tokens, lengths):
         """`_accept` for trees: each slot processed with its own path as prefix, and chosen at its own position
@@ -478,38 +406,29 @@ class SpeculativeDecoder:
         path_slots = [[s for s, on in enumerate(row) if on] for row in on_path.tolist()]
         return depth.tolist(), bonus.tolist(), processed, path_slots
 
-    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features, hidden, path_slots=None) -> None:
-        """Append accepted drafts + bonus per row; the anchor and accepted drafts stay valid in the target cache,
-        rejected and padding slots become holes. A tree's accepted path is `path_slots[r]` (ascending slots, at
-        positions anchor + 0, 1, 2, ...), not a prefix of slots: its other nodes become holes."""
-        width = processed.shape[1]
-        if path_slots is None:
-            keep = torch.arange(width, device=self.device)[None] <= torch.tensor(accepted, device=self.device)[:, None]
-        else:
-            keep = torch.zeros(len(self.rows), width, dtype=torch.bool)
-            for i, slots in enumerate(path_slots):
-                keep[i, slots] = True
+    def _commit(self, drafts: Drafts, accepted, bonus, processed, logits, features, hidden, paths) -> None:
+        """Append each row's accepted path (`paths[r]`: slots, the anchor's 0 first, at positions anchor + 0, 1, 2,
+        ...) and bonus; the path's slots stay valid in the target cache, every other slot becomes a hole (a chain's
+        path is a prefix of its slots, a tree's any path from the anchor)."""
+        keep = torch.zeros(len(self.rows), processed.shape[1], dtype=torch.bool)
+        for i, slots in enumerate(paths):
+            keep[i, slots] = True
         self.target_cache.commit(keep.to(self.device))
         tokens = drafts.tokens.tolist()
         survival = drafts.survival
         depths = drafts.depths.tolist() if drafts.is_tree else None
         for i, row in enumerate(self.rows):
-            n_acc = accepted[i]
-            if path_slots is None:
-                slots, new = slice(0, n_acc + 1), tokens[i][:n_acc] + [bonus[i]]
-                chosen_by = range(n_acc + 1)
-            else:  # node s - 1 sits at slot s
-                chosen_by = path_slots[i]
-                slots, new = torch.tensor(chosen_by, device=self.device), [tokens[i][s - 1] for s in chosen_by[1:]]
-                new.append(bonus[i])
+            n_acc, path = accepted[i], paths[i]
+            slots = torch.tensor(path, device=self.device)
+            new = [tokens[i][s - 1] for s in path[1:]] + [bonus[i]]  # node s - 1 sits at slot s
             states = None
             if row.keeps_hidden_states:  # slot j's states chose the token after it
-                states = [_layers(hidden, i, j, j + 1) for j in chosen_by]
+                states = [_layers(hidden, i, j, j + 1) for j in path]
             taken = row.commit(new, processed[i, slots], logits[i, slots], states)
             verified_depth = max(depths[i][: drafts.lengths[i]], default=0) if depths is not None else None
             row.stats.record_step(
                 drafts.lengths[i], n_acc, stopped=row.finished, survival=survival[i], depth=verified_depth,
-                source=self._source(i, n_acc, path_slots), committed=taken,
+                source=self.lookup.source(drafts, i, path), committed=taken,
             )  # fmt: skip
             row.seq += new[:taken]
             if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor)
@@ -518,16 +437,6 @@ class SpeculativeDecoder:
             self.counts["request_rounds"] += 1
             self.counts["verified_drafts"] += drafts.lengths[i]
             self.counts["accepted_drafts"] += n_acc
-
-    def _source(self, i: int, accepted: int, path_slots=None) -> str:
-        """Where row i's accepted drafts came from this round: "lookup" for its lookup chain, or in a tree where the
-        accepted path runs along the grafted lookup path; else "drafter"."""
-        if i not in self._looked_up or not accepted:
-            return "drafter"
-        if i not in self._lookup_paths:
-            return "lookup"
-        path = self._lookup_paths[i]
-        return "lookup" if [s - 1 for s in path_slots[i][1:]] == path[:accepted] else "drafter"
 
     def _crop(self) -> None:
         """Drop trailing holes; compact a cache whose holes pile up (the target's whenever a sliding window would

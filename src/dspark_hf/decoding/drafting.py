@@ -28,7 +28,7 @@ from ..utils.devices import below_float16, below_float16_text, model_device, mod
 from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
 from .scheduler import conditional_confidences
-from .trees import grow_trees, pack_trees
+from .trees import grow_trees, tree_drafts
 
 
 DRAFTER_TYPES = ("dspark", "dspark_eagle3")
@@ -270,14 +270,6 @@ class DSparkCandidateGenerator(_Generator):
         return torch.where(empty[:, None], full, logits)
 
 
-def tree_drafts(trees, device) -> Drafts:
-    """`Drafts` of one tree per row (`trees.Tree`): the nodes packed on `device`, their count, and the conditionals
-    of their path estimates in join order."""
-    tokens, parents, depths = pack_trees(trees, device)
-    conditional = [conditional_confidences(tree.scores) for tree in trees]
-    return Drafts(tokens, None, [len(tree.tokens) for tree in trees], conditional, parents=parents, depths=depths)
-
-
 def _read_back(seen: list[torch.Tensor]) -> list[list[float]]:
     """Every position's confidences in one host transfer: seen[k] (B,) -> [[c_{r,k} for r] for k]."""
     return torch.stack(seen).tolist() if seen else []
@@ -356,5 +348,4 @@ __all__ = [
     "Eagle3CandidateGenerator",
     "candidate_generator_for",
     "is_drafter",
-    "tree_drafts",
 ]

@@ -5,7 +5,7 @@ model already wrote (long-context RAG and code prompts; repetition loops of smal
 is bounded (`context_window`) and cannot see a span 5,000 positions back, but an exact match can: if the last n
 tokens of a row occurred earlier in its sequence, the tokens that followed them there are a free draft. A round
 takes, per row, whichever chain is expected to be accepted further, the drafter's block or the lookup's
-continuation (`SpeculativeDecoder._look_up`); verification is unchanged, so the output stays exactly the target's
+continuation (`LookupDrafts.merge`); verification is unchanged, so the output stays exactly the target's
 (greedy, and seeded sampling through the Gumbel-max coupling: a lookup draft is accepted where it equals the
 target's own choice).
 
@@ -20,7 +20,11 @@ the first position's acceptance, and a shared rate for each further position, wi
 import itertools
 import operator
 
+import torch
+
 from ..models.configuration_dspark import LONGEST_LOOKUP  # the longest match extended to: the better predictor
+from .rows import Drafts, Row
+from .trees import graft, tree_drafts, unpack_trees
 
 
 class SuffixIndex:
@@ -101,4 +105,99 @@ def expected_depth(conditional: list[float], cap: int) -> float:
     return sum(itertools.accumulate(conditional[:cap], operator.mul))
 
 
-__all__ = ["LookupConfidence", "SuffixIndex", "expected_depth"]
+class LookupDrafts:
+    """A decoder's context lookup: it merges each row's lookup continuation into a round's `Drafts` and learns from
+    what the round accepted. `min_n` (the drafter's `config.context_lookup`, read each round) is the shortest suffix
+    match that may draft; the confidence (`LookupConfidence`) is learned across the decoder's rounds.
+
+    A chain row takes the lookup's continuation instead of the drafter's block where it is expected to be accepted
+    further; a tree row grafts it into its tree as one more path (`trees.graft`), so the policy chooses among the
+    drafter's branches and the copied one together. The `Drafts` then say which rows took what (`Drafts.lookup`,
+    `Drafts.lookup_paths`), so the round carries no lookup state of its own.
+    """
+
+    def __init__(self):
+        self.confidence = LookupConfidence()
+
+    def merge(self, rows: list[Row], drafts: Drafts, caps: list[int], min_n: int, tree_budget: int = 0):
+        """(drafts, caps) with each row's lookup continuation merged in: a tree's grafted (`tree_budget` nodes at
+        most), a chain's taken where its expected accepted depth is the larger, with that row's cap cut to the
+        lookup's tokens (the columns after them are the drafter's, never verified)."""
+        if drafts.is_tree:
+            return self._graft(rows, drafts, caps, min_n, tree_budget), caps
+        caps, drafts.conditional = list(caps), list(drafts.conditional)
+        for i, row in enumerate(rows):
+            found, n = self._continuation(row, caps[i], min_n)
+            if not found:
+                continue
+            conditional = self.confidence.conditional(n, len(found))
+            if expected_depth(conditional, caps[i]) <= expected_depth(drafts.conditional[i], caps[i]):
+                continue
+            if len(found) > drafts.tokens.shape[1]:  # the drafter stopped sampling early: widen the chains
+                extra = len(found) - drafts.tokens.shape[1]
+                drafts.tokens = torch.nn.functional.pad(drafts.tokens, (0, extra))
+                if drafts.logits is not None:
+                    drafts.logits = torch.nn.functional.pad(drafts.logits, (0, 0, 0, extra))
+            drafts.tokens[i, : len(found)] = torch.tensor(found, device=drafts.tokens.device)
+            drafts.conditional[i] = conditional
+            caps[i] = min(caps[i], len(found))
+            drafts.lookup[i] = n
+        return drafts, caps
+
+    def _graft(self, rows: list[Row], drafts: Drafts, caps: list[int], min_n: int, budget: int) -> Drafts:
+        trees, lookup, paths = None, {}, {}
+        for i, row in enumerate(rows):
+            found, n = self._continuation(row, caps[i], min_n)
+            if not found:
+                continue
+            if trees is None:
+                trees = unpack_trees(drafts.tokens, drafts.parents, drafts.lengths, drafts.survival)
+            estimates = itertools.accumulate(self.confidence.conditional(n, len(found)), operator.mul)
+            trees[i], paths[i] = graft(trees[i], found, list(estimates), budget)
+            lookup[i] = n
+        if trees is None:
+            return drafts
+        drafts = tree_drafts(trees, drafts.tokens.device)
+        drafts.lookup, drafts.lookup_paths = lookup, paths
+        return drafts
+
+    @staticmethod
+    def _continuation(row: Row, cap: int, min_n: int) -> tuple[list[int], int]:
+        """Up to `cap` tokens that followed the row's suffix where it occurred before, and the match length."""
+        if cap < 1:
+            return [], 0
+        if row.suffix_index is None or row.suffix_index.min_n != min_n:
+            row.suffix_index = SuffixIndex(min_n)
+        return row.suffix_index.continuation(row.seq, cap)
+
+    def learn(self, drafts: Drafts, accepted: list[int], paths: list[list[int]]) -> list[int]:
+        """What this round's lookup drafts were worth: the confidence learns from each row that took one (`paths`:
+        each row's accepted path of slots, the anchor's 0 first). In a tree, the lookup path's nodes within the
+        verified ones count as verified, those on the accepted path as accepted. Returns the rows that verified a
+        lookup draft."""
+        verified_rows = []
+        for i, n in drafts.lookup.items():
+            verified, taken = drafts.lengths[i], accepted[i]
+            if i in drafts.lookup_paths:
+                path, on_path = drafts.lookup_paths[i], set(paths[i])
+                verified = sum(node < drafts.lengths[i] for node in path)
+                taken = 0  # the path's nodes at slot node + 1, from the first, while on the accepted path
+                while taken < verified and path[taken] + 1 in on_path:
+                    taken += 1
+            self.confidence.update(n, verified, taken)
+            if verified:
+                verified_rows.append(i)
+        return verified_rows
+
+    @staticmethod
+    def source(drafts: Drafts, i: int, path: list[int]) -> str:
+        """Where row i's accepted drafts (its accepted `path` of slots) came from: "lookup" for its lookup chain, or
+        in a tree where the accepted path runs along the grafted lookup path; else "drafter"."""
+        if i not in drafts.lookup or len(path) < 2:
+            return "drafter"
+        if i not in drafts.lookup_paths:
+            return "lookup"
+        return "lookup" if [s - 1 for s in path[1:]] == drafts.lookup_paths[i][: len(path) - 1] else "drafter"
+
+
+__all__ = ["LookupConfidence", "LookupDrafts", "SuffixIndex", "expected_depth"]

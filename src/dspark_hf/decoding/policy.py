@@ -3,7 +3,7 @@
 "fixed" verifies the whole (capped) block; "threshold" stops at the first position whose calibrated cumulative
 survival a_k falls below `confidence_threshold`; "scheduler" runs DSpark's Algorithm 1 over all rows against the
 target's steps-per-second profile (`scheduler.prefix_schedule`). Under "scheduler" the draft gate
-(`scheduler.DraftGate`) may also skip a round's draft when a plain step is expected to be faster. A drafter without
+(`gate.DraftGate`) may also skip a round's draft when a plain step is expected to be faster. A drafter without
 a confidence head has no survivals to go by and verifies its whole block whatever the policy.
 
 Every rule decides position k from survivals of positions <= k (and other rows' survivals), never from the draft
@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from transformers.utils import logging
 
 from ..models.configuration_dspark import VERIFY_POLICIES
-from .scheduler import SPS, DraftGate, GateMemory, SPSCurve, prefix_schedule, settled_prefix_schedule
+from .gate import DraftGate, GateMemory
+from .scheduler import SPS, SPSCurve, prefix_schedule, settled_prefix_schedule
 
 
 logger = logging.get_logger(__name__)
@@ -96,6 +97,27 @@ class VerifyPolicy:
             return cls(name, sps=curve)
         memory = gate_memory(drafter, target) if draft_seconds is None else None
         return cls(name, sps=curve, gate=DraftGate(curve, draft_seconds, memory=memory))
+
+    # -- what a round asks of its policy: whether to draft, how many drafts to verify, and what the round cost --
+
+    def should_draft(self, hints: Sequence[Sequence[float] | None], caps: Sequence[int]) -> bool:
+        """Whether this round drafts: always, unless the draft gate expects a plain step to be faster (`hints`: each
+        row's last confidences; `caps`: the drafts each row may take)."""
+        return self.gate is None or self.gate.should_draft(hints, caps)
+
+    def record_draft(self, seconds: float, conditional: Sequence[Sequence[float]], lengths: Sequence[int]) -> bool:
+        """A draft pass took `seconds` and the policy chose `lengths`: the gate learns from it. Returns whether a gate
+        listened (the round then keeps the confidences as the rows' hints for the next decision)."""
+        if self.gate is None:
+            return False
+        self.gate.record(seconds, conditional, lengths)
+        return True
+
+    def end_round(self, tokens: int, measured: bool = True) -> None:
+        """The round committed `tokens` (every row's, bonus included); `measured`: its time is typical (no kernel or
+        thread count on trial), so the gate may price rounds by it."""
+        if self.gate is not None:
+            self.gate.end_round(tokens, measured=measured)
 
     @property
     def stops_early(self) -> bool:

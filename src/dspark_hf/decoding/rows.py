@@ -6,7 +6,7 @@ target's verify of it process logits by exactly the same rule.
 
 import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,6 +86,10 @@ class Drafts:
     A tree (`decoding/trees.py`) has its nodes as the columns, in join order: parents (B, K) the verify slot of each
     node's parent (0: the anchor; node i sits at slot i + 1), depths (B, K) its draft position; `conditional` then
     holds a_i / a_{i-1} of the nodes' path estimates a_i, and `lengths` counts nodes. A chain has neither.
+
+    Where drafts came from: `lookup` maps a row that took a context lookup's continuation (`lookup.py`) to its match
+    length; a chain row's drafts are then the lookup's, a tree row's lookup path is `lookup_paths[row]` (its nodes,
+    from the anchor's child down). Every other draft is the drafter's.
     """
 
     tokens: torch.LongTensor
@@ -94,6 +98,8 @@ class Drafts:
     conditional: list[list[float]]
     parents: torch.LongTensor | None = None
     depths: torch.LongTensor | None = None
+    lookup: dict[int, int] = field(default_factory=dict)
+    lookup_paths: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_tree(self) -> bool:

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .rows import Drafts
+from .scheduler import conditional_confidences
+
 
 @dataclass
 class Tree:
@@ -197,6 +200,14 @@ def slot_paths(tokens: list[list[int]], parents: list[list[int]], width: int) ->
     return paths
 
 
+def tree_drafts(trees, device) -> Drafts:
+    """`Drafts` of one tree per row (`trees.Tree`): the nodes packed on `device`, their count, and the conditionals
+    of their path estimates in join order."""
+    tokens, parents, depths = pack_trees(trees, device)
+    conditional = [conditional_confidences(tree.scores) for tree in trees]
+    return Drafts(tokens, None, [len(tree.tokens) for tree in trees], conditional, parents=parents, depths=depths)
+
+
 __all__ = [
     "Tree",
     "ancestors",
@@ -206,5 +217,6 @@ __all__ = [
     "slot_parents",
     "slot_paths",
     "tree_attention_mask",
+    "tree_drafts",
     "unpack_trees",
 ]

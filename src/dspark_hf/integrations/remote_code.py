@@ -50,6 +50,7 @@ MODULES = (
     "decoding.rows",
     "decoding.trees",
     "decoding.lookup",
+    "decoding.gate",
     "decoding.profiling",
     "decoding.policy",
     "decoding.drafting",

@@ -65,7 +65,7 @@ class Engine:
             `profiling.sps_for` (the checkpoint's sps_profile.json, else a quick profile).
         num_assistant_tokens: the most drafts a request examines per round (transformers' name), 1..block size;
             None = the drafter's whole block. With "fixed" this is fixed γ: a shorter γ from the same block pass.
-        gate_drafts: skip the draft pass in rounds where it is not expected to pay (`scheduler.DraftGate`), so the
+        gate_drafts: skip the draft pass in rounds where it is not expected to pay (`decoding.gate.DraftGate`), so the
             round is a plain step. None = `drafter.config.draft_gate` under "scheduler" (it needs the SPS
             profile), off otherwise.
         draft_seconds: what the gate takes a draft pass of R rows to cost: None measures it as the engine runs
@@ -139,7 +139,7 @@ class Engine:
 
     @property
     def gate(self):
-        """The draft gate (`scheduler.DraftGate`), or None."""
+        """The draft gate (`decoding.gate.DraftGate`), or None."""
         return None if self.decoder.policy is None else self.decoder.policy.gate
 
     @property
