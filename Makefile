@@ -17,8 +17,8 @@ demo: setup
 	$(VENV)/bin/dspark-hf demo
 
 lint: setup
-	$(VENV)/bin/ruff check src tests examples
-	$(VENV)/bin/ruff format --check src tests examples
+	$(VENV)/bin/ruff check src tests examples benchmarks tools
+	$(VENV)/bin/ruff format --check src tests examples benchmarks tools
 
 test: lint
 	$(VENV)/bin/python -m pytest

@@ -1,6 +1,6 @@
 """generate() throughput at batch 1, 4 and 8: plain batched decoding against the same batches with the drafter.
 
-    python examples/bench_batched_generate.py --prompts mt-bench.jsonl --limit 8 --out batched.json
+    python benchmarks/bench_batched_generate.py --prompts mt-bench.jsonl --limit 8 --out batched.json
 
 The embedded default (SmolLM2-135M-Instruct and its drafter) on the first `--limit` prompts, left-padded into
 batches of each size, greedy, `--max-new-tokens` each. Plain and speculative runs alternate batch by batch in one

@@ -2,14 +2,14 @@
 
 Run one part at a time (each takes a few minutes on 2 CPU cores; results accumulate in --out):
 
-    python examples/long_context_analysis.py features   # the target over two 8k prompts: tapped features, argmax
-    python examples/long_context_analysis.py accuracy   # teacher-forced draft accuracy by anchor position and window
-    python examples/long_context_analysis.py attention  # the block's attention mass by distance from the anchor
-    python examples/long_context_analysis.py stats      # the target features' statistics by position
-    python examples/long_context_analysis.py kernels    # which SDPA kernel the verify, draft and plain passes get
-    python examples/long_context_analysis.py cost       # ms of a plain step, a verify of 8 and a draft pass by length
-    python examples/long_context_analysis.py rest       # cost and attention in one process
-    python examples/long_context_analysis.py routing    # 4k decoding with the verify attention routed or not
+    python benchmarks/long_context_analysis.py features   # the target over two 8k prompts: tapped features, argmax
+    python benchmarks/long_context_analysis.py accuracy   # teacher-forced draft accuracy by anchor position and window
+    python benchmarks/long_context_analysis.py attention  # the block's attention mass by distance from the anchor
+    python benchmarks/long_context_analysis.py stats      # the target features' statistics by position
+    python benchmarks/long_context_analysis.py kernels    # which SDPA kernel the verify, draft and plain passes get
+    python benchmarks/long_context_analysis.py cost       # ms of a plain step, a verify of 8, a draft pass by length
+    python benchmarks/long_context_analysis.py rest       # cost and attention in one process
+    python benchmarks/long_context_analysis.py routing    # 4k decoding with the verify attention routed or not
 
 Prompts: `evaluation.long_context` (CPython's `logging` documentation and `argparse` source, ~8.1k tokens each).
 Target: the embedded SmolLM2-135M-Instruct (float32); drafter: the shipped default (bf16 where the CPU computes it,

@@ -1,8 +1,8 @@
 """The draft gate with and without the confidences' weight in its measurement, side by side with plain decoding.
 
-    python examples/time_draft_gate.py --long-context 256,1k,2k --limit 8 > long-context.jsonl
-    python examples/time_draft_gate.py --datasets mt-bench=$E/mt-bench.jsonl,gsm8k=$E/gsm8k.jsonl --limit 8
-    python examples/time_draft_gate.py --datasets ... --limit 4 --max-new-tokens 64 --hog   # beside a CPU hog
+    python benchmarks/time_draft_gate.py --long-context 256,1k,2k --limit 8 > long-context.jsonl
+    python benchmarks/time_draft_gate.py --datasets mt-bench=$E/mt-bench.jsonl,gsm8k=$E/gsm8k.jsonl --limit 8
+    python benchmarks/time_draft_gate.py --datasets ... --limit 4 --max-new-tokens 64 --hog   # beside a CPU hog
 
 The gate (`decoding.scheduler.DraftGate`) makes a round plain when drafted rounds measured dearer per committed
 token than plain ones. Counting only the tokens measured, a few drafted rounds that happen to commit one token each

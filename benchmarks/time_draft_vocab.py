@@ -1,6 +1,6 @@
 """Time a drafting step with and without a draft vocabulary on the embedded SmolLM2 target (median of 30 calls).
 
-    python examples/time_draft_vocab.py [DRAFTER]       # default: the shipped drafter
+    python benchmarks/time_draft_vocab.py [DRAFTER]       # default: the shipped drafter
 
 Prints the milliseconds of the LM-head product of a 7-token block, of 7 sequential-head biases and of a whole
 `sample_block`, for the drafter as saved (its draft vocabulary, if any) and over the whole vocabulary.

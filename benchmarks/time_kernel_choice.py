@@ -1,6 +1,6 @@
 """The verify kernels as a measured choice against always on, side by side with plain decoding, on the embedded pair.
 
-    python examples/time_kernel_choice.py --datasets mt-bench=$E/mt-bench.jsonl,gsm8k=$E/gsm8k.jsonl --limit 4 \
+    python benchmarks/time_kernel_choice.py --datasets mt-bench=$E/mt-bench.jsonl,gsm8k=$E/gsm8k.jsonl --limit 4 \
         --out kernel-choice.json
 
 For every prompt, in turn: plain greedy `generate()`, the shipped drafter with the target's linears the way measured

@@ -1,9 +1,9 @@
 """What a long prompt costs the target's passes, old code path against new, side by side in one process.
 
-    python examples/time_long_context_cost.py prefill --length 8k [--repeats 2] [--json out.json]
-    python examples/time_long_context_cost.py steps --length 8k [--repeats 7] [--json out.json]
-    python examples/time_long_context_cost.py generate --length 8k [--new-tokens 64] [--json out.json]
-    python examples/time_long_context_cost.py attention --length 8k [--repeats 9] [--json out.json]
+    python benchmarks/time_long_context_cost.py prefill --length 8k [--repeats 2] [--json out.json]
+    python benchmarks/time_long_context_cost.py steps --length 8k [--repeats 7] [--json out.json]
+    python benchmarks/time_long_context_cost.py generate --length 8k [--new-tokens 64] [--json out.json]
+    python benchmarks/time_long_context_cost.py attention --length 8k [--repeats 9] [--json out.json]
 
 `prefill`: one `generate()` of a single new token on the long-context prompt of that length (prompt 0 of
 `evaluation.long_context`), plain (transformers alone) and with the shipped drafter, the drafter's run once as it was

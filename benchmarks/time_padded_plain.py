@@ -1,6 +1,6 @@
 """How much of a speedup is speculation, and how much is the few-rows products? A kernel-neutral plain baseline.
 
-    python examples/time_padded_plain.py [MAX_NEW_TOKENS]
+    python benchmarks/time_padded_plain.py [MAX_NEW_TOKENS]
 
 On a 2-core CPU, torch's one-row product (MKL's matrix-vector path) barely uses the second core, while a 2-row
 product written as (W xᵀ)ᵀ uses both (`dspark_hf.kernels.verify_head`). So a 2-token verify forward can cost less

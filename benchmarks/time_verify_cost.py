@@ -1,6 +1,6 @@
 """The embedded target's verify cost by width beside the memory floor, every kernel mode side by side in one run.
 
-    python examples/time_verify_cost.py [--widths 1,2,3,4,6,8,16,32] [--repeats 7] [--json out.json]
+    python benchmarks/time_verify_cost.py [--widths 1,2,3,4,6,8,16,32] [--repeats 7] [--json out.json]
 
 For each width (tokens per verify, anchor included) a forward of the fp32 SmolLM2 target on a 256-token cache, the
 median of `--repeats` rounds, each round visiting every (width, mode) once so that a burst of load lands on all

@@ -2,7 +2,7 @@
 grouped-query attention on the unrepeated cache (`dspark_hf.kernels.verify_attention`) on the embedded SmolLM2
 target, side by side (median of 15 rounds, each round visiting every case once).
 
-    python examples/time_verify_head.py
+    python benchmarks/time_verify_head.py
 
 Prints, per verify width (anchor + drafts), the milliseconds of the LM-head product alone and of a whole target
 forward over a 256-token cache: as `nn.Linear` and transformers' sdpa compute them, with the few-rows products, and

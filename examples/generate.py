@@ -13,11 +13,11 @@ from transformers import pipeline
 import dspark_hf
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default=None, help="DSpark checkpoint (default: the shipped default drafter)")
     parser.add_argument("--prompt", default="Give me three tips for writing readable Python.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     target, tokenizer, drafter = dspark_hf.load_default(drafter_path=args.drafter)
     messages = [{"role": "user", "content": args.prompt}]

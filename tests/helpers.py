@@ -139,7 +139,7 @@ def first_divergence(plain: list[int], other: list[int], plain_logits: torch.Ten
 
 def tiny_qk(drafter):
     """The drafter with its q/k projections scaled by 2^-20, as an exact QK-norm twin stores them (~1e-8:
-    `examples/make_exportable_drafter.py`), below float16's normal range."""
+    `tools/make_exportable_drafter.py`), below float16's normal range."""
     with torch.no_grad():
         for layer in drafter.layers:
             layer.self_attn.q_proj.weight.mul_(2.0**-20)

@@ -172,7 +172,7 @@ def test_llamacpp_converts_and_runs_the_drafter_losslessly(tmp_path):
     binaries = LLAMACPP / "build" / "bin"
     if not (binaries / "llama-speculative-simple").exists() or not (binaries / "llama-completion").exists():
         pytest.skip(f"llama.cpp tools not built in {binaries}")
-    script = ROOT / "examples" / "check_llamacpp_dspark.py"
+    script = ROOT / "tools" / "check_llamacpp_dspark.py"
     cmd = [sys.executable, str(script), "--bin", str(binaries), "--draft", str(out), "--num-prompts", "2"]
     cmd += [
         "--max-new-tokens",

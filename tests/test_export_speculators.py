@@ -127,7 +127,7 @@ def test_cli_export_speculators(tmp_path):
 def test_speculators_loads_the_export_and_computes_our_logits(tmp_path):
     """Every sequential head, DFlash mode, with and without a draft vocabulary: speculators' from_pretrained reports
     no missing or unexpected keys, and its forward gives our block logits and confidence logits within 1e-5."""
-    script = ROOT / "examples" / "check_speculators_export.py"
+    script = ROOT / "tools" / "check_speculators_export.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, str(script), "all", str(tmp_path), "--speculators-python", str(SPECULATORS_PYTHON)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -251,7 +251,7 @@ def test_for_target_builds_the_gemma4_layer_by_default():
 
 def test_the_released_12b_config_maps_to_the_hub_config():
     """DeepSeek's `dspark_gemma4_12b_block7` config.json (the target's text config, as recorded in
-    examples/make_hub_configs.py, plus DeepSpec's `config/dspark/dspark_gemma4_12b.py` fields) gives the drafter that
+    tools/make_hub_configs.py, plus DeepSpec's `config/dspark/dspark_gemma4_12b.py` fields) gives the drafter that
     hub_configs/gemma-4-12b.json describes: the same layer layout and shapes (q 16 x 512, one K = V head)."""
     from test_hub_configs import ROOT, _generator
 

@@ -4,11 +4,11 @@ For each prompt (chat-formatted with the target's template), this runs llama.cpp
 `--temp 0`) and `llama-speculative-simple --spec-type draft-dspark` (the same target plus the drafter, greedy), checks
 that the generated texts are identical, and reports each tool's own decode speed (llama.cpp's timers) and the
 drafter's acceptance (`n_accept / n_drafted`). Build the tools and export the drafter with
-`examples/llamacpp_dspark.sh`, which then calls this script. The texts are identical only with a build without
+`tools/llamacpp_dspark.sh`, which then calls this script. The texts are identical only with a build without
 llamafile's sgemm (`-DGGML_LLAMAFILE=OFF`, as the script builds) and flash attention off (`-fa off`, the default of
 `--llama-args`): both make a token's logits depend on how many tokens share its batch (docs/engines.md).
 
-    python examples/check_llamacpp_dspark.py --bin /work/envs/llamacpp/build/bin --draft draft.gguf \
+    python tools/check_llamacpp_dspark.py --bin /work/envs/llamacpp/build/bin --draft draft.gguf \
         --prompts /work/shared/data/eval/mt-bench.jsonl --num-prompts 10 --max-new-tokens 128 --threads 2
 """
 

@@ -24,7 +24,7 @@ Set up the speculators environment once (never a dependency of dspark-hf):
 (`datasets`, which speculators imports at import time for training, is replaced by a stub below.) Then, from the
 repository root with this package's environment:
 
-    python examples/check_speculators_export.py [--speculators-python /work/envs/speculators/bin/python]
+    python tools/check_speculators_export.py [--speculators-python /work/envs/speculators/bin/python]
 
 It prints one line per case and exits 1 when any case has missing or unexpected keys or differs by more than
 `--atol` (1e-5, float32). `write DIR` and `check DIR` run the two halves separately.

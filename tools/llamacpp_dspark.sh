@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Build llama.cpp's tools from the llama-cpp-python sdist (which vendors llama.cpp), export a DSpark drafter to GGUF
-# with llama.cpp's own converter, and check it beside the SmolLM2 target GGUF (examples/check_llamacpp_dspark.py).
+# with llama.cpp's own converter, and check it beside the SmolLM2 target GGUF (tools/check_llamacpp_dspark.py).
 # Never part of CI; everything lands under $ROOT (default /work/envs/llamacpp), nothing in the repository.
 #
-#   examples/llamacpp_dspark.sh DRAFTER_DIR [extra check_llamacpp_dspark.py args]
+#   tools/llamacpp_dspark.sh DRAFTER_DIR [extra check_llamacpp_dspark.py args]
 #
 # Environment: ROOT, PYTHON (this package's Python, default python3), JOBS (build jobs, default 2),
 # LLAMA_CPP_PYTHON_VERSION (default 0.3.36), CPU_FLAGS (cmake flags of ggml's CPU backend, see below),
@@ -11,7 +11,7 @@
 # the defaults make llama.cpp + drafter produce exactly llama.cpp's plain greedy output.
 #
 # The four-way table (llama.cpp and transformers, plain and + drafter, one run, a small JSON):
-#   PYTHON=python examples/llamacpp_dspark.sh DRAFTER --transformers-drafter DRAFTER --threads 2 --json fourway.json
+#   PYTHON=python tools/llamacpp_dspark.sh DRAFTER --transformers-drafter DRAFTER --threads 2 --json fourway.json
 set -euo pipefail
 DRAFTER=${1:?usage: $0 DRAFTER_DIR [check args]}
 shift

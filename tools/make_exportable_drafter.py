@@ -14,9 +14,9 @@ whose target embeddings are nearest to it in cosine (special tokens excluded); e
 held-out evaluation (teacher-forced greedy τ on fixed batches), and the best one is kept. The `--baseline` drafter
 is scored in the same run for comparison.
 
-    python examples/make_exportable_drafter.py --drafter runs/src --out-masked runs/masked   # pick the mask token
+    python tools/make_exportable_drafter.py --drafter runs/src --out-masked runs/masked   # pick the mask token
     dspark-hf train --set init_drafter=runs/masked distil_from=runs/src ...      # distil the source (docs/engines.md)
-    python examples/make_exportable_drafter.py --drafter runs/distil/best --out runs/exportable  # exact QK-norm twin
+    python tools/make_exportable_drafter.py --drafter runs/distil/best --out runs/exportable  # exact QK-norm twin
 
 The shipped default was made this way from stage 7 (2026-12-06) and is exportable already; `--drafter` must be a
 drafter without QK-norm (the default's own twin cannot be made again).

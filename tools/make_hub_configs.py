@@ -1,7 +1,7 @@
 """Regenerate `hub_configs/*.json`: one DSpark drafter config per supported target.
 
-    python examples/make_hub_configs.py            # rewrite hub_configs/
-    python examples/make_hub_configs.py --check    # exit 1 if a file differs from what this script builds
+    python tools/make_hub_configs.py            # rewrite hub_configs/
+    python tools/make_hub_configs.py --check    # exit 1 if a file differs from what this script builds
 
 Every target below is the relevant part of its Hugging Face `config.json`, copied verbatim (legacy keys such as
 `rope_theta`/`rope_scaling` included; transformers turns them into `rope_parameters`), with a comment naming where
@@ -368,7 +368,7 @@ def main():
             path.write_text(text, encoding="utf-8")
             print(f"wrote {path}")
     if stale:
-        print(f"out of date: {', '.join(stale)} (run python examples/make_hub_configs.py)", file=sys.stderr)
+        print(f"out of date: {', '.join(stale)} (run python tools/make_hub_configs.py)", file=sys.stderr)
         sys.exit(1)
 
 

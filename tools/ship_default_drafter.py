@@ -1,6 +1,6 @@
 """Package a trained, calibrated drafter as the embedded default (`src/dspark_hf/default_drafter/`).
 
-    python examples/ship_default_drafter.py --drafter runs/smollm2-dspark/best \
+    python tools/ship_default_drafter.py --drafter runs/smollm2-dspark/best \
         --results results/evaluation.json --label dspark --data data/smollm2 \
         --out src/dspark_hf/default_drafter
 
