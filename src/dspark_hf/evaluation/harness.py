@@ -23,28 +23,27 @@ the main run's rounds grouped by how many drafts they proposed.
 
 Draft trees side by side with the chain: `tree_budgets` (`dspark-hf bench --tree-budget 0,8,16,32`) runs each
 DSpark drafter once per budget (`config.tree_budget`, restored afterwards), labelled "LABEL chain" and "LABEL tree N".
+
+The pieces: the logged rounds (`rounds.py`), the entries and table of a result (`report.py`), the command's datasets
+and assistants (`inputs.py`); this module runs the decodes.
 """
 
 import contextlib
-import functools
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers.generation.streamers import BaseStreamer
-from transformers.utils import logging
 
-from ..decoding.drafting import is_drafter
-from ..decoding.stats import DraftRound, DSparkGenerationStats, record_draft_rounds
+from ..decoding.stats import record_draft_rounds
 from ..kernels import verify_head, verify_linears
-from ..kernels.packed_linear import inference_dtype
 from ..utils.prompts import encode
+from .inputs import load_assistant, parse_datasets, parse_drafters
+from .report import _baseline_entry, _run_entry, format_evaluation, model_card_results
+from .report import _decode_phase_entry as _decode_phase_entry
+from .rounds import FirstTokenClock, RoundLog, observe_assistant, round_breakdown, stats_from_rounds
 
-
-logger = logging.get_logger(__name__)
 
 PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain steps through the verify kernels)
 WARMUP_TOKENS = 256  # the warm-up decodes this much of the first prompt
@@ -55,42 +54,6 @@ def generation_kwargs(temperature: float) -> dict:
     if temperature == 0:
         return {"do_sample": False}
     return {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
-
-
-def stats_from_rounds(rounds) -> DSparkGenerationStats:
-    """Acceptance statistics of one generate() from its logged `DraftRound`s (assistants without generation_stats).
-
-    A first round without drafts is the plain prefill, not a step; the last round is the one that stopped.
-    """
-    steps = [r for r in rounds if r.proposed or not r.first]
-    stats = DSparkGenerationStats(block_size=max([r.proposed for r in steps], default=1))
-    for i, r in enumerate(steps):
-        stats.record_step(r.proposed, r.accepted or 0, stopped=i == len(steps) - 1)
-    return stats
-
-
-class RoundLog(list):
-    """The `DraftRound`s of one generate(), and `prefill_seconds`: from the call to the first round's start (the
-    prompt's prefill and setup), where this package's decoder logged verify timings, or to the first new token of a
-    plain run (`FirstTokenClock`); else None."""
-
-    prefill_seconds: float | None = None
-
-
-class FirstTokenClock(BaseStreamer):
-    """A streamer that notes when generate() hands over its first new token (`first`, `time.perf_counter()`): the
-    end of a plain run's prefill. generate() puts the prompt first, then each new token."""
-
-    def __init__(self):
-        self.puts, self.first = 0, None
-
-    def put(self, value) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
 
 
 def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False):
@@ -121,226 +84,6 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     elif clock is not None and clock.first is not None:
         log.prefill_seconds = clock.first - called
     return out.cpu(), seconds, stats, log
-
-
-class _AssistantRounds(list):
-    """`DraftRound`s, and the input length of each round's `generate()` call."""
-
-    def __init__(self):
-        super().__init__()
-        self.input_lengths: list[int] = []
-
-
-@contextlib.contextmanager
-def observe_assistant(assistant):
-    """Time the drafting rounds of one of transformers' own assistants (not this package's drafters): each round is
-    one call of its public `generate()`, wrapped on the instance for the block and restored after. A round's
-    acceptance is read from the next round's input length (the target commits the accepted drafts and one token)."""
-    rounds = _AssistantRounds()
-    if assistant is None or is_drafter(assistant) or not hasattr(assistant, "generate"):
-        yield rounds
-        return
-    inner = assistant.generate
-
-    def timed(*args, **kwargs):
-        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        length = ids.shape[1]
-        if rounds:
-            rounds[-1].accepted = max(0, min(rounds[-1].proposed, length - rounds.input_lengths[-1] - 1))
-        _sync(ids)
-        start = time.perf_counter()
-        out = inner(*args, **kwargs)
-        sequences = getattr(out, "sequences", out)
-        _sync(sequences)
-        rounds.append(DraftRound(start, time.perf_counter() - start, sequences.shape[1] - length, first=not rounds))
-        rounds.input_lengths.append(length)
-        return out
-
-    assistant.generate = timed
-    try:
-        yield rounds
-    finally:
-        del assistant.generate
-
-
-def _sync(tensor) -> None:
-    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
-
-
-def _pool(stats) -> DSparkGenerationStats:
-    start = DSparkGenerationStats(block_size=max(s.block_size for s in stats))
-    return functools.reduce(DSparkGenerationStats.merge, stats, start)
-
-
-def _mismatch(index: int, plain: torch.Tensor, other: torch.Tensor) -> dict:
-    n = min(plain.numel(), other.numel())
-    differ = (plain[:n] != other[:n]).nonzero()
-    first = int(differ[0]) if differ.numel() else n
-    return {"index": index, "first_difference": first, "plain_new_tokens": plain.numel(), "new_tokens": other.numel()}
-
-
-def _totals(decoded) -> tuple[int, float]:
-    """(new tokens, seconds) summed over a list of `_decode` results."""
-    return sum(d[0].numel() for d in decoded), sum(d[1] for d in decoded)
-
-
-def _rate(tokens: int, seconds: float) -> float:
-    """Tokens per second (0 when nothing was timed)."""
-    return tokens / seconds if seconds else 0.0
-
-
-def round_breakdown(round_lists) -> dict | None:
-    """Where a round's time goes, mean ms per round over the logged rounds of this package's decoders: `draft` (the
-    gate and the draft pass with its sampling), `verify` (the target's forward), `bookkeeping` (acceptance, commit,
-    cache trimming) and `round` (all three), plus `rounds` counted and `drafted` (rounds that drafted). None when the
-    rounds carry no verify timings (transformers' own assistants)."""
-    rounds = [r for rs in round_lists for r in rs if r.verify_seconds is not None and r.end is not None]
-    if not rounds:
-        return None
-    draft = statistics.fmean(1e3 * r.seconds for r in rounds)
-    verify = statistics.fmean(1e3 * r.verify_seconds for r in rounds)
-    whole = statistics.fmean(1e3 * (r.end - r.start) for r in rounds)
-    return {
-        "draft": draft,
-        "verify": verify,
-        "bookkeeping": whole - draft - verify,
-        "round": whole,
-        "rounds": len(rounds),
-        "drafted": sum(1 for r in rounds if r.proposed),
-    }
-
-
-def _decode_phase(decoded, prefills) -> tuple[int, float]:
-    """(tokens after the first, seconds after the prefill) summed over prompts: the decoding phase alone."""
-    tokens = sum(max(d[0].numel() - 1, 0) for d in decoded)
-    return tokens, sum(max(d[1] - p, 0.0) for d, p in zip(decoded, prefills))
-
-
-def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None) -> dict:
-    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes."""
-    stats = [s for _, _, s, _ in decoded]
-    pooled = _pool(stats)
-    tokens, seconds = _totals(decoded)
-    draft_ms = [1e3 * r.seconds for d in decoded for r in d[3] if not r.first]
-    per_prompt, mismatches = [], []
-    for i, ((out, secs, s, rounds), ref, ids) in enumerate(zip(decoded, plain, prompts)):
-        identical = None
-        if temperature == 0:
-            identical = torch.equal(out, ref[0])
-            if not identical:
-                mismatches.append(_mismatch(i, ref[0], out))
-                logger.warning(
-                    f"{dataset} prompt {i}: {label} output differs from plain greedy at new token "
-                    f"{mismatches[-1]['first_difference']}. Please report this as a bug."
-                )
-        per_prompt.append(
-            {
-                "index": i,
-                "prompt_tokens": ids.shape[1],
-                "new_tokens": out.numel(),
-                "seconds": secs,
-                "seconds_plain": ref[1],
-                "draft_seconds": sum(r.seconds for r in rounds),
-                "acceptance_length": s.acceptance_length,
-                "num_target_forwards": s.num_target_forwards,
-                "lookup_rounds": s.lookup_rounds,
-                "gated_rounds": s.gated_rounds,
-                "fewer_threads_rounds": s.fewer_threads_rounds,
-                "identical": identical,
-            }
-        )
-    reached, accepted = pooled.position_counts()
-    tps, plain_tps = _rate(tokens, seconds), _rate(*_totals(plain))
-    padded_tps = _rate(*_totals(padded)) if padded else None
-    return {
-        "dataset": dataset,
-        "temperature": temperature,
-        "drafter": label,
-        "num_prompts": len(decoded),
-        "all_identical": None if temperature else not mismatches,
-        "mismatches": mismatches,
-        "acceptance_length": pooled.acceptance_length,
-        "mean_prompt_acceptance_length": statistics.fmean(s.acceptance_length for s in stats),
-        "per_position_acceptance": pooled.per_position_acceptance,
-        "position_reached": reached,
-        "position_accepted": accepted,
-        "acceptance_length_by_draft_length": pooled.acceptance_length_by_draft_length,
-        "mean_verify_length": pooled.mean_verify_length,
-        "mean_accepted_depth": pooled.mean_accepted_depth,
-        "num_target_forwards": pooled.num_target_forwards,
-        "lookup_rounds": pooled.lookup_rounds,  # rounds that verified a lookup chain (`context_lookup`)
-        "gated_rounds": pooled.gated_rounds,  # rounds the draft gate made plain
-        "fewer_threads_rounds": pooled.fewer_threads_rounds,  # rounds at fewer threads (`kernels/threads.py`)
-        "new_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_second": tps,
-        "tokens_per_second_plain": plain_tps,
-        "speedup": tps / plain_tps if plain_tps else 0.0,
-        "tokens_per_second_padded": padded_tps,
-        # the kernel-neutral baseline: the faster of plain and plain with the measured kernels (`measured_steps`)
-        "speedup_vs_padded": tps / max(padded_tps, plain_tps) if padded_tps else None,
-        "draft_ms_per_round": statistics.fmean(draft_ms) if draft_ms else None,
-        "draft_ms_per_round_median": statistics.median(draft_ms) if draft_ms else None,
-        "draft_fraction": sum(draft_ms) / 1e3 / seconds if seconds else 0.0,
-        "round_ms": round_breakdown(d[3] for d in decoded),
-        **_decode_phase_entry(decoded, plain),
-        "per_prompt": per_prompt,
-    }
-
-
-def _decode_phase_entry(decoded, plain) -> dict:
-    """The decoding phase without the prompt's prefill, which costs the same with and without a drafter (long prompts
-    spend most of a short generate() there): the plain step's mean ms and the speedup over plain decoding. Each run
-    is charged its own prefill (`RoundLog.prefill_seconds`: to the drafted run's first round, to the plain run's first
-    new token), so that the prefill's run-to-run spread (seconds at 8k tokens) stays out of the ratio; a plain run
-    without one is charged the drafted run's. Empty where the drafted run's was not logged."""
-    prefills = [d[3].prefill_seconds if isinstance(d[3], RoundLog) else None for d in decoded]
-    if not prefills or None in prefills:
-        return {}
-    plain_prefills = [
-        p[3].prefill_seconds if isinstance(p[3], RoundLog) and p[3].prefill_seconds is not None else own
-        for p, own in zip(plain, prefills)
-    ]
-    plain_tokens, plain_seconds = _decode_phase(plain, plain_prefills)
-    tokens, seconds = _decode_phase(decoded, prefills)
-    plain_tps, tps = _rate(plain_tokens, plain_seconds), _rate(tokens, seconds)
-    return {
-        "prefill_seconds": statistics.fmean(prefills),
-        "plain_prefill_seconds": statistics.fmean(plain_prefills),
-        "plain_step_ms": 1e3 * plain_seconds / plain_tokens if plain_tokens else None,
-        "decode_speedup": tps / plain_tps if plain_tps else None,
-    }
-
-
-def _baseline_entry(dataset, temperature, prompts, plain, padded=None) -> dict:
-    """Plain decoding on one dataset × temperature, and the padded (kernel-neutral) baseline where it ran.
-
-    `padded_identical` (T = 0): whether 2-row steps gave plain greedy's tokens; the products agree to float rounding,
-    so a difference is possible in principle but makes only the timing less comparable, never a drafter's output.
-    """
-    per_prompt = [
-        {"index": i, "prompt_tokens": ids.shape[1], "new_tokens": out.numel(), "seconds": secs}
-        for i, ((out, secs, _, _), ids) in enumerate(zip(plain, prompts))
-    ]
-    padded_identical = None
-    if padded:
-        for row, (_, secs, _, _) in zip(per_prompt, padded):
-            row["seconds_padded"] = secs
-        if temperature == 0:
-            padded_identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, padded))
-    tokens, seconds = _totals(plain)
-    return {
-        "dataset": dataset,
-        "temperature": temperature,
-        "num_prompts": len(plain),
-        "new_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_second": _rate(tokens, seconds),
-        "tokens_per_second_padded": _rate(*_totals(padded)) if padded else None,
-        "padded_identical": padded_identical,
-        "per_prompt": per_prompt,
-    }
 
 
 @contextlib.contextmanager
@@ -561,138 +304,6 @@ def run_evaluation(
     }
 
 
-SUMMARY_COLUMNS = (
-    "dataset",
-    "drafter",
-    "T",
-    "prompts",
-    "identical",
-    "τ",
-    "verify",
-    "draft ms",
-    "tok/s",
-    "plain",
-    "speedup",
-    "vs padded",
-)
-
-
-def _fmt(x, spec=".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def format_evaluation(result: dict) -> str:
-    """A text table per dataset × drafter × temperature, latency rows per drafter, and any mismatch."""
-    rows = [SUMMARY_COLUMNS]
-    for r in result["runs"]:
-        n = r["num_prompts"]
-        identical = "-" if r["all_identical"] is None else f"{n - len(r['mismatches'])}/{n}"
-        rows.append(
-            (
-                r["dataset"],
-                r["drafter"],
-                f"{r['temperature']:g}",
-                str(r["num_prompts"]),
-                identical,
-                _fmt(r["acceptance_length"]),
-                _fmt(r["mean_verify_length"]),
-                _fmt(r["draft_ms_per_round"], ".1f"),
-                _fmt(r["tokens_per_second"], ".1f"),
-                _fmt(r["tokens_per_second_plain"], ".1f"),
-                f"{r['speedup']:.2f}x",
-                "-" if r.get("speedup_vs_padded") is None else f"{r['speedup_vs_padded']:.2f}x",
-            )
-        )
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    for r in result["runs"]:
-        rates = " ".join(_fmt(x) for x in r["per_position_acceptance"])
-        lines.append(f"acceptance by position  {r['dataset']} / {r['drafter']} / T={r['temperature']:g}: {rates}")
-    for b in result.get("baselines", []):
-        if b.get("tokens_per_second_padded") is not None:
-            same = "" if b["padded_identical"] is None else f", same tokens as plain: {b['padded_identical']}"
-            rate = b["tokens_per_second_padded"]
-            lines.append(
-                f"padded plain (verify kernels, no drafts)  {b['dataset']} / T={b['temperature']:g}: {rate:.1f} tok/s "
-                f"= {rate / b['tokens_per_second']:.2f}x of plain{same}"
-            )
-    for label, lat in result.get("latency", {}).items():
-        cells = ", ".join(
-            f"L={n}: {_fmt(d, '.1f')} ({_fmt(w, '.1f')})"
-            for n, d, w in zip(lat["lengths"], lat["draft_ms"], lat["round_ms"])
-        )
-        lines.append(f"draft ms per round (whole round) by draft length, {label} [{lat['method']}]: {cells}")
-    for r in result["runs"]:
-        for m in r["mismatches"]:
-            lines.append(
-                f"MISMATCH {r['dataset']} / {r['drafter']} prompt {m['index']}: differs from plain greedy at new "
-                f"token {m['first_difference']} ({m['new_tokens']} vs {m['plain_new_tokens']} tokens)"
-            )
-    return "\n".join(lines)
-
-
-def model_card_results(result: dict, drafter: str | None = None, temperature: float = 0.0) -> dict:
-    """{dataset: run} of one drafter at one temperature: the `results` argument of `hub.model_card`."""
-    labels = list(result["drafters"])
-    if drafter is None:
-        if len(labels) != 1:
-            raise ValueError(f"The result holds several drafters {labels}; pass drafter= one of them.")
-        drafter = labels[0]
-    runs = {r["dataset"]: r for r in result["runs"] if r["drafter"] == drafter and r["temperature"] == temperature}
-    if not runs:
-        raise ValueError(f"No run of drafter {drafter!r} at T={temperature:g}; drafters {labels}.")
-    return runs
-
-
-def parse_datasets(prompts=(), datasets: str | None = None) -> dict[str, Path]:
-    """{name: JSONL path} from `--prompts FILE` (named by the file stem) and `--datasets name=path,...`."""
-    named = {}
-    for path in prompts or ():
-        named[Path(path).stem] = Path(path)
-    for item in (datasets or "").split(","):
-        if not item.strip():
-            continue
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"--datasets takes name=path.jsonl pairs separated by commas, got {item!r}.")
-        named[name.strip()] = Path(path.strip())
-    for name, path in named.items():
-        if not path.is_file():
-            raise ValueError(f"Dataset {name!r}: no file at {path}.")
-    return named
-
-
-def parse_drafters(specs) -> dict[str, str]:
-    """{label: path} from `--drafter [LABEL=]PATH` values; the label defaults to the folder's name."""
-    named = {}
-    for spec in specs:
-        label, sep, path = spec.partition("=")
-        if not sep:
-            label, path = Path(spec.rstrip("/")).name or spec, spec
-        if label in named:
-            raise ValueError(f"Two drafters labelled {label!r}: name them with --drafter LABEL=PATH.")
-        named[label] = path
-    return named
-
-
-def load_assistant(path: str, dtype: torch.dtype | None = None):
-    """A drafter or assistant model from a folder or Hub id: DSpark (ours or DeepSpec's), else any Auto model.
-
-    `dtype` None: a DSpark drafter in `packed_linear.inference_dtype()` (bf16 on a CPU that computes it natively),
-    any other assistant in float32."""
-    from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from ..integrations.deepspec import is_deepspec_config
-    from ..models.modeling_dspark import DSparkDraftModel
-
-    config = PretrainedConfig.get_config_dict(path)[0]
-    if config.get("model_type") == "dspark" or is_deepspec_config(config):
-        return DSparkDraftModel.from_pretrained(path, dtype=dtype or inference_dtype()).eval()
-    auto = AutoModelForCausalLM if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
-    return auto.from_pretrained(path, dtype=dtype or torch.float32).eval()
-
-
 def run_bench(target, tokenizer, drafter, records, max_new_tokens=128, progress=True) -> dict:
     """Plain vs `drafter` greedy on `records`: the harness's run entry (see `evaluation.harness.run_evaluation`) plus
     `tokens_per_second_dspark`, `block_size` and `verify_policy`."""
@@ -707,24 +318,6 @@ def run_bench(target, tokenizer, drafter, records, max_new_tokens=128, progress=
         "block_size": drafter.config.block_size,
         "verify_policy": getattr(drafter.config, "verify_policy", None),
     }
-
-
-__all__ = [
-    "round_breakdown",
-    "run_bench",
-    "fixed_draft_length",
-    "tree_budget",
-    "tree_variants",
-    "format_evaluation",
-    "generation_kwargs",
-    "load_assistant",
-    "measure_latency",
-    "model_card_results",
-    "parse_datasets",
-    "parse_drafters",
-    "run_evaluation",
-    "stats_from_rounds",
-]
 
 
 @torch.no_grad()
@@ -743,3 +336,27 @@ def timed_generate(target, input_ids, max_new_tokens, drafter=None, **generate_k
     if out.is_cuda:
         torch.cuda.synchronize(out.device)
     return out[0, input_ids.shape[1] :], time.perf_counter() - start
+
+
+__all__ = [
+    "FirstTokenClock",
+    "PADDED",
+    "RoundLog",
+    "describe_assistant",
+    "fixed_draft_length",
+    "format_evaluation",
+    "generation_kwargs",
+    "load_assistant",
+    "measure_latency",
+    "model_card_results",
+    "observe_assistant",
+    "parse_datasets",
+    "parse_drafters",
+    "round_breakdown",
+    "run_bench",
+    "run_evaluation",
+    "stats_from_rounds",
+    "timed_generate",
+    "tree_budget",
+    "tree_variants",
+]
