@@ -35,6 +35,7 @@ MODULES = (
     "kernels.lean_forward",
     "kernels.threads",
     "kernels.freshness",
+    "models.settings",
     "models.configuration_dspark",
     "models.configuration_eagle3",
     "models.heads",

@@ -13,7 +13,6 @@ block size, `for_target` / `check_target`); `DSparkConfig` adds the DSpark field
 
 import hashlib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +21,12 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import logging
 
+from .settings import LONGEST_LOOKUP, MAX_TREE_BUDGET, VERIFY_POLICIES, check_dspark_settings, check_int
+
 
 logger = logging.get_logger(__name__)
 
 SEQUENTIAL_HEADS = ("markov", "gated_markov", "rnn", "none")
-VERIFY_POLICIES = ("threshold", "fixed", "scheduler")
-LONGEST_LOOKUP = 8  # the longest suffix match `context_lookup` tries (decoding/lookup.py)
-# The most nodes a draft tree may have (`tree_budget`). Every node is one more position of the round's verify forward
-# under the "fixed" policy, and the extra accepted depth shrinks fast with size (docs/trees.md: τ 2.18 / 2.40 / 2.62
-# at 8 / 16 / 32 nodes), so past this a round costs far more than it can gain (10,000 nodes took 207 s for 20 tokens).
-MAX_TREE_BUDGET = 128
 # Block positions whose base logits drafting computes first under a policy that can stop early ("threshold",
 # "scheduler": they mostly verify 1-2 drafts); the rest of the block only if sampling gets there.
 EARLY_DRAFT_POSITIONS = 2
@@ -61,36 +56,6 @@ _QK_NORM_FAMILIES = (
 # Target families whose drafters get DeepSpec's Gemma-4 draft layer (`draft_layer="gemma4"`) by default.
 _GEMMA4_FAMILIES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
 DRAFT_LAYERS = ("llama", "gemma4")
-
-
-def _refuse(name: str, allowed: str, value: Any) -> ValueError:
-    """The one-line error of a bad setting: the field, what it allows, the value given."""
-    return ValueError(f"`{name}` must be {allowed}, got {value!r}.")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: Any, low: int, high: int | None = None, meaning: str = "") -> None:
-    """Raise `_refuse` unless `value` is an int (not a bool) in low..high (high None: no upper bound)."""
-    if not _is_int(value) or value < low or (high is not None and value > high):
-        allowed = f"an int >= {low}" if high is None else f"an int in {low}..{high}"
-        raise _refuse(name, f"{allowed} ({meaning})" if meaning else allowed, value)
-
-
-def check_choice(name: str, value: Any, choices: tuple) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise _refuse(name, "one of " + ", ".join(repr(c) for c in choices), value)
-
-
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise _refuse(name, "True or False", value)
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -494,105 +459,7 @@ class DSparkConfig(DrafterConfig):
         vocabulary, mask token, sequential and confidence heads) must describe it: they are changed by building or
         loading another drafter (or `set_draft_vocab`), never on the config of a live one."""
         super().check_runtime_settings(drafter)
-        check_choice("verify_policy", self.verify_policy, VERIFY_POLICIES)
-        threshold = self.confidence_threshold
-        if not _is_real(threshold) or not 0.0 <= threshold <= 1.0:  # NaN fails the comparison
-            raise _refuse(
-                "confidence_threshold", "a number in [0, 1] (the survival the threshold policy needs)", threshold
-            )
-        check_bool("draft_gate", self.draft_gate)
-        check_bool("confidence_head", self.confidence_head)
-        check_bool("confidence_with_markov", self.confidence_with_markov)
-        check_int(
-            "tree_budget",
-            self.tree_budget,
-            0,
-            MAX_TREE_BUDGET,
-            "0: draft a chain; N > 0: a tree of at most N nodes per row, each one more verified position",
-        )
-        check_int(
-            "context_lookup",
-            self.context_lookup,
-            0,
-            LONGEST_LOOKUP,
-            "the shortest suffix match that may draft from the context; 0: never",
-        )
-        if self.context_window is not None:
-            check_int(
-                "context_window",
-                self.context_window,
-                1,
-                meaning="context positions a block attends to; None: the whole context",
-            )
-        temperatures = self.sts_temperatures
-        if (
-            not isinstance(temperatures, list)
-            or len(temperatures) != self.block_size
-            or not all(_is_real(t) and 0 < t < math.inf for t in temperatures)
-        ):
-            raise _refuse(
-                "sts_temperatures",
-                f"a list of {self.block_size} positive finite numbers (one per block position, block_size "
-                f"{self.block_size})",
-                temperatures,
-            )
-        check_int("draft_vocab_size", self.draft_vocab_size, 0, self.vocab_size, "0: the whole vocabulary")
-        if self.mask_token_id is not None:
-            check_int(
-                "mask_token_id", self.mask_token_id, 0, self.vocab_size - 1, "a vocabulary token; None: a learned mask"
-            )
-        if drafter is not None:
-            self._check_weights_match(drafter)
-
-    def _check_weights_match(self, drafter) -> None:
-        """The settings `drafter`'s weights fix must be the ones it was built with (duck-typed: a drafter loaded with
-        `trust_remote_code` counts too; attributes a drafter lacks are not checked)."""
-        fixed = "the drafter was built with it and its weights depend on it; set it back"
-        if hasattr(drafter, "draft_vocab_ids"):
-            ids = drafter.draft_vocab_ids
-            count = 0 if ids is None else len(ids)
-            if self.draft_vocab_size != count:
-                raise ValueError(
-                    f"`draft_vocab_size` is {self.draft_vocab_size}, but this drafter drafts among {count} token ids "
-                    "(0: the whole vocabulary); set the draft vocabulary with drafter.set_draft_vocab(ids) (None: the "
-                    "whole vocabulary), not on the config."
-                )
-        if hasattr(drafter, "mask_embedding"):
-            if drafter.mask_embedding is not None and self.mask_token_id is not None:
-                allowed = f"None for this drafter (it learned a mask embedding; {fixed})"
-                raise _refuse("mask_token_id", allowed, self.mask_token_id)
-            if drafter.mask_embedding is None and self.mask_token_id is None:
-                raise _refuse(
-                    "mask_token_id",
-                    f"a token id in 0..{self.vocab_size - 1} for this drafter (it was trained with a mask token; "
-                    f"{fixed})",
-                    None,
-                )
-        if hasattr(drafter, "markov_head"):
-            from .heads import SEQUENTIAL_HEAD_CLASSES
-
-            built = "none"
-            if drafter.markov_head is not None:
-                built = next(
-                    (n for n, c in SEQUENTIAL_HEAD_CLASSES.items() if type(drafter.markov_head) is c),
-                    self.sequential_head,  # a head class this version does not know: not checked
-                )
-            if self.sequential_head != built:
-                raise _refuse("sequential_head", f"{built!r} for this drafter ({fixed})", self.sequential_head)
-        if hasattr(drafter, "confidence_head"):
-            head = drafter.confidence_head
-            if self.confidence_head and head is None:
-                raise _refuse("confidence_head", f"False for this drafter (it has no confidence head; {fixed})", True)
-            proj = getattr(head, "proj", None)
-            if self.confidence_head and proj is not None and drafter.markov_head is not None:
-                reads_markov = proj.in_features > self.hidden_size
-                if self.confidence_with_markov != reads_markov:
-                    raise _refuse(
-                        "confidence_with_markov",
-                        f"{reads_markov} for this drafter (its confidence head reads "
-                        f"{'[h_k; W1[x_(k-1)]]' if reads_markov else 'h_k alone'}; {fixed})",
-                        self.confidence_with_markov,
-                    )
+        check_dspark_settings(self, drafter)
 
     @classmethod
     def target_defaults(cls, text_config: PreTrainedConfig) -> dict[str, Any]:
@@ -646,7 +513,9 @@ def default_mask_token_id(text_config: PreTrainedConfig) -> int:
 
 
 __all__ = [
+    "LONGEST_LOOKUP",
     "MAX_TREE_BUDGET",
+    "VERIFY_POLICIES",
     "DSparkConfig",
     "DrafterConfig",
     "default_mask_token_id",
