@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -98,6 +99,8 @@ def test_demo_prints_the_reply_and_times_alternating_runs(tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert out.startswith("User: Hi\nAssistant: ") and "identical to plain greedy: True" in out
     assert "2 alternating runs each" in out
+    # not a terminal: the reply as plain text, then the legend of how its tokens were committed
+    assert "\x1b[" not in out and "tokens per verify pass" in out.split("\n")[2]
     # float32 CPU target: the padded baseline too, reported as the baseline where 2-row steps beat plain ones
     baseline = ("speedup over plain decoding through the same verify kernels", "do not make plain steps faster")
     assert any(message in out for message in baseline) and "fewer threads" not in out
@@ -110,3 +113,66 @@ def test_demo_prints_the_reply_and_times_alternating_runs(tmp_path, capsys, monk
     assert "rounds ran at fewer threads than torch's" in out and not any(message in out for message in baseline)
     assert main(["demo", "--repeats", "0", *models]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_demo_colours_the_reply_on_a_terminal_unless_told_not_to(tmp_path, capsys, monkeypatch):
+    target = make_target()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer = char_tokenizer(99)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "target")
+    make_drafter(target).save_pretrained(tmp_path / "drafter")
+    argv = ["demo", "--prompt", "Hi", "--max-new-tokens", "5", "--repeats", "1"]
+    argv += ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # capsys's stdout, taken for a terminal
+    monkeypatch.delenv("NO_COLOR", raising=False)
+
+    def legend(*options):
+        assert main([*argv, *options]) == 0
+        return capsys.readouterr().out.split("\n")[2]
+
+    assert "\x1b[38;5;" in legend() and "tokens per verify pass" in legend()  # the legend's labels in colour
+    assert "\x1b[" not in legend("--no-color")
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert "\x1b[" not in legend()
+
+
+def test_demo_picture_leaves_out_the_stop_token_and_counts_its_pass():
+    from dspark_hf.cli.demo import picture
+    from dspark_hf.decoding.stats import DSparkGenerationStats
+
+    tokenizer = char_tokenizer(99)
+    tokenizer.add_special_tokens({"eos_token": "<eos>"})
+    stats = DSparkGenerationStats(block_size=4, num_new_tokens=6)
+    stats.record_step(3, 2)  # two drafts and the bonus
+    stats.record_step(2, 1)  # a draft, and the bonus: the stop token
+    ids = [*tokenizer.encode("hello"), tokenizer.eos_token_id]
+    text, legend = picture(tokenizer, ids, stats, color=False).split("\n")
+    assert text == "hello"
+    assert legend.startswith("drafter 3 (depth 1 2)  lookup 0  target 2  τ = 2.00 tokens per verify pass (2 passes")
+
+
+def test_bench_verify_policy_sets_a_copy_of_the_drafters_config(tmp_path):
+    from dspark_hf.cli.bench import with_verify_policy
+
+    target = make_target()
+    drafter = make_drafter(target)
+    loaded = drafter.config
+    loaded._attn_implementation = "eager"
+    assert with_verify_policy(drafter, None).config is loaded
+    assert with_verify_policy(drafter, "fixed") is drafter
+    assert drafter.config.verify_policy == "fixed" and loaded.verify_policy == "threshold"
+    assert drafter.config._attn_implementation == "eager" and drafter.config.to_dict() == {
+        **loaded.to_dict(),
+        "verify_policy": "fixed",
+    }
+    # end to end: the policy bench reports is the one given
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer(99).save_pretrained(tmp_path / "target")
+    make_drafter(target).save_pretrained(tmp_path / "drafter")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "abc"}\n')
+    argv = ["bench", "--prompts", tmp_path / "p.jsonl", "--max-new-tokens", 4, "--latency-lengths", "", "--json"]
+    argv += [tmp_path / "out.json", "--target", tmp_path / "target", "--drafter", tmp_path / "drafter"]
+    assert main([str(a) for a in [*argv, "--verify-policy", "fixed"]]) == 0
+    (described,) = json.loads((tmp_path / "out.json").read_text())["drafters"].values()
+    assert described["verify_policy"] == "fixed"

@@ -19,7 +19,7 @@ LAYERS = [
     ("the package: public API and the shipped drafter", ["__init__", "default"]),
     ("training", ["training", "training.*"]),
     ("evaluation", ["evaluation", "evaluation.*"]),
-    ("command line", ["cli"]),
+    ("command line", ["cli", "cli.*"]),
 ]
 
 # Loaded as remote code (`trust_remote_code=True`, no package installed), a drafter's modeling file routes

@@ -187,16 +187,17 @@ def reliability_diagram(logits, prefix_labels, temperatures, png_path, bins: int
 def write_calibrated_copy(
     source: str | os.PathLike, out: str | os.PathLike, temperatures, report: dict, overwrite: bool = False
 ) -> Path:
-    """Write a calibrated copy of the drafter checkpoint in the local folder `source` to `out`: its files, with
-    `sts_temperatures` = `temperatures` in config.json, and `report` as calibration.json. `source` is only read.
+    """Write a calibrated copy of the drafter checkpoint `source` (a local folder, or a Hub id: its snapshot in the
+    cache, fetched if need be) to `out`: its files, with `sts_temperatures` = `temperatures` in config.json, and
+    `report` as calibration.json. `source` is only read.
 
     A non-empty `out` is refused unless `overwrite`; the copy is made in a folder beside `out` and renamed into place
     once complete, so an overwritten `out` keeps its old content until then (`utils.files.write_folder`).
     """
     from ..models.configuration_dspark import DSparkConfig
 
-    source = Path(source).expanduser()
     check_folder_free(out, overwrite)
+    source = _local_checkpoint(source)
 
     def write(tmp: Path) -> None:
         for path in source.iterdir():
@@ -208,6 +209,16 @@ def write_calibrated_copy(
         atomic_write_json(report, tmp / REPORT_FILE)
 
     return write_folder(out, write, overwrite=overwrite)
+
+
+def _local_checkpoint(source: str | os.PathLike) -> Path:
+    """The drafter checkpoint's folder: a local folder, or its Hub snapshot from the cache."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(str(source)))
+    return folder
 
 
 __all__ = [
