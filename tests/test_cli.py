@@ -1,5 +1,6 @@
 """`dspark-hf bench` end to end on a tiny saved target, and the slow real-target check."""
 
+import functools
 import importlib.util
 import json
 import sys
@@ -152,20 +153,19 @@ def test_demo_picture_leaves_out_the_stop_token_and_counts_its_pass():
     assert legend.startswith("drafter 3 (depth 1 2)  lookup 0  target 2  τ = 2.00 tokens per verify pass (2 passes")
 
 
-def test_bench_verify_policy_sets_a_copy_of_the_drafters_config(tmp_path):
-    from dspark_hf.cli.bench import with_verify_policy
+def test_bench_verify_policy_goes_to_generate_and_leaves_the_drafter_as_loaded(tmp_path, monkeypatch):
+    from dspark_hf.integrations import generation
 
     target = make_target()
-    drafter = make_drafter(target)
-    loaded = drafter.config
-    loaded._attn_implementation = "eager"
-    assert with_verify_policy(drafter, None).config is loaded
-    assert with_verify_policy(drafter, "fixed") is drafter
-    assert drafter.config.verify_policy == "fixed" and loaded.verify_policy == "threshold"
-    assert drafter.config._attn_implementation == "eager" and drafter.config.to_dict() == {
-        **loaded.to_dict(),
-        "verify_policy": "fixed",
-    }
+    seen = []
+    original = generation.speculative_generate
+
+    @functools.wraps(original)
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("verify_policy"), kwargs["drafter"].config.verify_policy))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "speculative_generate", spy)
     # end to end: the policy bench reports is the one given
     target.save_pretrained(tmp_path / "target")
     char_tokenizer(99).save_pretrained(tmp_path / "target")
@@ -176,3 +176,4 @@ def test_bench_verify_policy_sets_a_copy_of_the_drafters_config(tmp_path):
     assert main([str(a) for a in [*argv, "--verify-policy", "fixed"]]) == 0
     (described,) = json.loads((tmp_path / "out.json").read_text())["drafters"].values()
     assert described["verify_policy"] == "fixed"
+    assert seen and all(call == ("fixed", "threshold") for call in seen)  # passed to generate(), config as loaded

@@ -104,6 +104,7 @@ def run(args) -> int:
         # long prompts: the padded baseline would add a third long prefill per prompt; ask for it explicitly
         padded_baseline=False if context_lengths and args.padded_baseline is None else args.padded_baseline,
         tree_budgets=budgets,
+        verify_policy=args.verify_policy,
     )
     result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
     for name, path in files.items():
@@ -166,8 +167,8 @@ def _tree_budgets(text: str | None) -> list[int]:
 
 
 def _load_drafters(args):
-    """(target, tokenizer, {label: drafter}) for `bench`: every `--drafter [LABEL=]PATH`, else the default drafter;
-    `--verify-policy` set on each DSpark drafter (`with_verify_policy`)."""
+    """(target, tokenizer, {label: drafter}) for `bench`: every `--drafter [LABEL=]PATH`, else the default drafter
+    (`--verify-policy` goes to `generate()` through `run_evaluation`, the drafters' configs stay as loaded)."""
     from ..evaluation.harness import load_assistant, parse_drafters
 
     specs = parse_drafters(args.drafter or [])
@@ -180,23 +181,7 @@ def _load_drafters(args):
         target = quantized(target.eval(), args)
         dtype = drafter_dtype(args)
         drafters = {label: load_assistant(path, dtype) for label, path in specs.items()}
-    return target, tokenizer, {label: with_verify_policy(d, args.verify_policy) for label, d in drafters.items()}
-
-
-def with_verify_policy(drafter, policy: str | None):
-    """`drafter` with `verify_policy` = `policy` (None, or an assistant without the setting: as it is). The config it
-    was loaded with is left as it is: the drafter gets a copy with that one field changed, checked as `generate()`
-    checks a drafter's settings. (`dataclasses.replace` would drop what loading keeps beside the fields, such as the
-    attention implementation and the folder the SPS profile is read from.)"""
-    import copy
-
-    if policy is None or not hasattr(drafter.config, "verify_policy"):
-        return drafter
-    config = copy.copy(drafter.config)
-    config.verify_policy = policy
-    config.check_runtime_settings(drafter)
-    drafter.config = config
-    return drafter
+    return target, tokenizer, drafters
 
 
 def _write(result: dict, out: str | None, json_path: str | None) -> None:

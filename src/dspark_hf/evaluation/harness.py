@@ -56,7 +56,14 @@ def generation_kwargs(temperature: float) -> dict:
     return {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
 
 
-def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False):
+def _policy(assistant, verify_policy: str | None) -> dict:
+    """`generate()`'s `verify_policy=` for a DSpark drafter (None: its own config's); nothing for other assistants."""
+    if verify_policy is None or not hasattr(getattr(assistant, "config", None), "verify_policy"):
+        return {}
+    return {"verify_policy": verify_policy}
+
+
+def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False, verify_policy=None):
     """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`);
     `padded`: plain decoding with the verify kernels' one-token steps (`verify_linears.measured_steps`, the linears
     the way measured on this machine, as a decode loop's plain round runs them)."""
@@ -67,6 +74,7 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     steps = verify_linears.measured_steps(target) if padded else contextlib.nullcontext()
     clock = FirstTokenClock() if assistant is None else None  # a plain run's own prefill, for the decoding phase
     settings = generation_kwargs(temperature) | ({"streamer": clock} if clock is not None else {})
+    settings |= _policy(assistant, verify_policy)
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
         called = time.perf_counter()
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **settings)
@@ -135,7 +143,9 @@ def _latency_by_length(round_lists) -> dict[int, tuple[list[float], list[float]]
     return by_length
 
 
-def measure_latency(target, ids, assistant, lengths, new_tokens=48, fallback_rounds=(), progress=True) -> dict:
+def measure_latency(
+    target, ids, assistant, lengths, new_tokens=48, fallback_rounds=(), progress=True, verify_policy=None
+) -> dict:
     """Median drafting and whole-round latency (ms) per round against the draft length L, greedy on prompt `ids`.
 
     Returns parallel lists `lengths`, `draft_ms`, `round_ms`, `rounds` (rounds measured) and `acceptance_length`
@@ -147,7 +157,7 @@ def measure_latency(target, ids, assistant, lengths, new_tokens=48, fallback_rou
         with fixed_draft_length(assistant, length) as supported:
             if not supported:
                 break
-            _, _, stats, rounds = _decode(target, ids, new_tokens, assistant, 0.0, 0)
+            _, _, stats, rounds = _decode(target, ids, new_tokens, assistant, 0.0, 0, verify_policy=verify_policy)
         draft, whole = _latency_by_length([rounds]).get(length, ([], []))
         rows[length] = (draft, whole, stats.acceptance_length)
     method = "fixed_draft_length" if rows or not lengths else "per_round"
@@ -199,13 +209,16 @@ def tree_variants(drafters: dict, budgets) -> tuple[dict, dict]:
     return labelled, by_label
 
 
-def describe_assistant(assistant) -> dict:
+def describe_assistant(assistant, verify_policy: str | None = None) -> dict:
+    """What a result says of an assistant; `verify_policy`: the one the run passed to `generate()`, if any."""
     config = assistant.config
     return {
         "model_type": getattr(config, "model_type", None),
         "name_or_path": getattr(assistant, "name_or_path", None) or None,
         "block_size": getattr(config, "block_size", None),
-        "verify_policy": getattr(config, "verify_policy", None),
+        "verify_policy": _policy(assistant, verify_policy).get(
+            "verify_policy", getattr(config, "verify_policy", None)
+        ),
         "num_hidden_layers": getattr(config, "num_hidden_layers", None),
         "num_parameters": sum(p.numel() for p in assistant.parameters()),
         "dtype": str(assistant.dtype).replace("torch.", ""),
@@ -226,6 +239,7 @@ def run_evaluation(
     progress: bool = True,
     padded_baseline: bool | None = None,
     tree_budgets=(),
+    verify_policy: str | None = None,
 ) -> dict:
     """Plain decoding vs every drafter on every dataset at every temperature, plus the draft-latency sweep.
 
@@ -235,6 +249,7 @@ def run_evaluation(
     dataset × temperature × drafter, see `_run_entry`), `baselines` (plain decoding per dataset × temperature),
     `latency` ({label: `measure_latency`}), `padded_baseline` and `all_identical` (T = 0 runs). `tree_budgets`:
     each DSpark drafter once per budget (`tree_variants`); the latency sweep then covers the chains only.
+    `verify_policy`: passed to every DSpark drafter's `generate()` (None: each drafter's own).
     """
     if not drafters:
         raise ValueError("run_evaluation needs at least one drafter: {label: assistant model}.")
@@ -253,7 +268,7 @@ def run_evaluation(
     warm = first[:, :WARMUP_TOKENS]  # a long prompt's prefill would only cost time here
     for label, assistant in (None, None), *drafters.items():  # warm-up of every path
         with tree_budget(assistant, budgets.get(label)):
-            timed_generate(target, warm, 4, assistant)
+            timed_generate(target, warm, 4, assistant, **_policy(assistant, verify_policy))
     modes = [None, *drafters]  # None: plain decoding
     if padded_baseline:
         _decode(target, warm, 4, None, 0.0, 0, padded=True)
@@ -268,7 +283,16 @@ def run_evaluation(
                 for mode in modes[shift:] + modes[:shift]:
                     assistant = drafters.get(mode)  # None for both plain modes
                     with tree_budget(assistant, budgets.get(mode)):
-                        run = _decode(target, ids, max_new_tokens, assistant, temperature, seed + i, mode == PADDED)
+                        run = _decode(
+                            target,
+                            ids,
+                            max_new_tokens,
+                            assistant,
+                            temperature,
+                            seed + i,
+                            mode == PADDED,
+                            verify_policy,
+                        )
                     decoded[mode].append(run)
                 bar.set_postfix({label: f"τ {decoded[label][-1][2].acceptance_length:.2f}" for label in drafters})
             padded = decoded.get(PADDED)
@@ -284,7 +308,14 @@ def run_evaluation(
             if budgets[label]:  # the sweep fixes the block length: a chain's measure
                 continue
             latency[label] = measure_latency(
-                target, first, assistant, latency_lengths, latency_new_tokens, greedy_rounds[label], progress
+                target,
+                first,
+                assistant,
+                latency_lengths,
+                latency_new_tokens,
+                greedy_rounds[label],
+                progress,
+                verify_policy,
             )
     greedy = [r for r in runs if r["temperature"] == 0]
     return {
@@ -294,7 +325,7 @@ def run_evaluation(
         "device": str(target.device),
         "dtype": str(target.dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
-        "drafters": {label: describe_assistant(a) for label, a in drafters.items()},
+        "drafters": {label: describe_assistant(a, verify_policy) for label, a in drafters.items()},
         "datasets": {name: {"num_prompts": len(p)} for name, p in encoded.items()},
         "all_identical": all(r["all_identical"] for r in greedy) if greedy else None,
         "padded_baseline": bool(padded_baseline),

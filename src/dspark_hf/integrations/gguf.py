@@ -4,7 +4,7 @@ llama.cpp's own HF -> GGUF converter (`convert_hf_to_gguf.py`, class `DSparkMode
 speculators format (`architectures=["DSparkSpeculator"]`) as well as DeepSpec's, so this module writes the drafter
 with `export_speculators`, writes the target's `config.json` and tokenizer next to it (the converter takes the draft's
 vocabulary from `--target-model-dir`), and runs the converter of a llama.cpp source tree (for instance the one the
-`llama-cpp-python` sdist vendors, see `examples/llamacpp_dspark.sh`). Nothing of llama.cpp is copied here; which
+`llama-cpp-python` sdist vendors, see `tools/llamacpp_dspark.sh`). Nothing of llama.cpp is copied here; which
 converter ran is the one at `llamacpp_dir`.
 
 What llama.cpp's DSpark path carries (llama.cpp as vendored by llama-cpp-python 0.3.36; see docs/engines.md):
@@ -74,7 +74,7 @@ def find_converter(llamacpp_dir: str | os.PathLike | None) -> Path:
     if not folder:
         raise ValueError(
             "GGUF export runs llama.cpp's own converter: pass the llama.cpp source folder with --llamacpp DIR (or set "
-            "LLAMACPP_DIR), e.g. the one examples/llamacpp_dspark.sh unpacks from the llama-cpp-python sdist."
+            "LLAMACPP_DIR), e.g. the one tools/llamacpp_dspark.sh unpacks from the llama-cpp-python sdist."
         )
     script = Path(folder) / "convert_hf_to_gguf.py"
     if not script.is_file():

@@ -2,7 +2,7 @@
 
 Written from the format as `speculators` 0.9.0 defines it (`DSparkSpeculatorConfig`, `DSparkDraftModel`,
 `DraftVocabMixin`); this module writes plain `config.json` + safetensors and never imports `speculators`
-(`examples/check_speculators_export.py` loads the result with speculators' own code and compares its outputs).
+(`tools/check_speculators_export.py` loads the result with speculators' own code and compares its outputs).
 
 `config.json`:
 

@@ -4,7 +4,7 @@ A verify pass runs the target on the anchor and its k drafts, so every linear la
 weight. On the CPU, torch's float32 `linear` (MKL) is slow for exactly those shapes, and the same product written as
 (W xᵀ)ᵀ can be several times faster, for the LM head most of all; one row costs the same either way. How much this
 gains depends on the CPU and its BLAS: on some it is most of a verify pass, on others it loses (docs/results.md has
-the dated measurements, `examples/time_verify_head.py` measures a machine). Because a plain decoder that ran each
+the dated measurements, `benchmarks/time_verify_head.py` measures a machine). Because a plain decoder that ran each
 step as two rows would gain too, part of a speedup over plain `generate()` on such a CPU is this effect, not
 speculation: `padded_steps` below is the baseline that separates the two.
 

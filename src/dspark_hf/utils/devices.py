@@ -39,7 +39,7 @@ FLOAT16_TINY = torch.finfo(torch.float16).tiny  # 2^-14: float16's smallest norm
 def below_float16(model: nn.Module) -> list[str]:
     """Names of `model`'s floating parameters whose every nonzero value lies below float16's normal range (under
     2^-14 in magnitude), where float16 keeps at most a few bits of them or none: e.g. the q/k projections of an
-    exact QK-norm twin (`examples/make_exportable_drafter.py`, ~1e-8). Such a model must run, and be stored, in
+    exact QK-norm twin (`tools/make_exportable_drafter.py`, ~1e-8). Such a model must run, and be stored, in
     bfloat16 or float32; in float16 those products vanish and it drafts noise."""
     names = []
     for name, param in model.named_parameters():
