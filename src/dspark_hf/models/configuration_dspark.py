@@ -214,7 +214,7 @@ class DrafterConfig(PreTrainedConfig):
         """Checks every setting decoding reads when it runs, and raises a one-line `ValueError` naming the field, what
         it allows and the value given.
 
-        These settings can be changed on a live drafter (`drafter.config.tree_budget = 16`, the README's way to turn
+        These settings can be changed on a live drafter (`drafter.config.tree_budget = 16`, the documented way to turn
         features on), where `@strict` checks only their types, so `generate()` and the `Engine` (at construction and
         for each request) call this before any forward; building or loading a config calls it too
         (`validate_architecture`). With `drafter`, the settings fixed by its weights must also describe it.
