@@ -12,8 +12,8 @@ whose `assistant_model` is one of this package's drafters becomes the explicit f
 tokenizer passed on under names the hook keeps and stop strings turned into a stopping criterion; every other call
 goes to transformers untouched. Pipelines call `model.generate(..., assistant_model=drafter)` and take this path.
 A `custom_generate` beside a DSpark `assistant_model` must be this package's own (`generate`, `speculative_generate`,
-or a DSpark Hub repo's `custom_generate/` folder, the Hub call of docs/usage.md): the call then runs the loop once; any other
-`custom_generate` is refused, naming it.
+or a DSpark Hub repo's `custom_generate/` folder, the Hub call of docs/usage.md): the call then runs the loop once;
+any other `custom_generate` is refused, naming it.
 `generate(model, ...)` is the same routing as a function, for the Hub `custom_generate/` folder.
 """
 
