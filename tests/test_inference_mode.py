@@ -18,13 +18,7 @@ from helpers import char_tokenizer
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
 
 
-@pytest.fixture(autouse=True)
-def two_threads():
-    """The attention packs its query heads only where the products keep every thread busy: run at 2, as CI does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("two_threads")  # the attention packs its query heads by thread count
 
 
 @pytest.fixture

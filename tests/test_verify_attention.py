@@ -24,13 +24,7 @@ from dspark_hf.kernels.verify_linears import KernelTable, VerifyKernels
 from dspark_hf.serving.engine import Engine
 
 
-@pytest.fixture(autouse=True)
-def two_threads():
-    """Whether the attention packs depends on the intra-op thread count: these tests run at 2, as CI does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("two_threads")  # the attention packs its query heads by thread count
 
 
 class Attention(torch.nn.Module):
