@@ -67,7 +67,7 @@ def _report(result: dict, drafter, repeats: int) -> None:
     """τ and the speedups of `run_bench`'s result, and what the padded baseline or the thread count say of them."""
     label = " (UNTRAINED drafter: expect no speedup)" if getattr(drafter, "is_untrained", False) else ""
     print(
-        f"identical to plain greedy: {result['all_identical']}   τ = {result['acceptance_length']:.2f}   "
+        f"timed runs: identical to plain greedy: {result['all_identical']}   τ = {result['acceptance_length']:.2f}   "
         f"speedup over plain decoding: {result['speedup']:.2f}x "
         f"({result['tokens_per_second_dspark']:.1f} vs {result['tokens_per_second_plain']:.1f} tok/s, "
         f"{repeats} alternating runs each){label}"
