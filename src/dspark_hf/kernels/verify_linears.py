@@ -167,7 +167,7 @@ class TargetPacks:
 
     def drop_stale(self, fingerprints: dict | None = None) -> int:
         """Drop every packed copy whose weights' values changed since it was packed; returns how many. It reads
-        every packed weight once (`fingerprint.py`: 46 ms for SmolLM2-135M on 2 cores), so it runs once per
+        every packed weight (`fingerprint.py`: 66-72 ms for SmolLM2-135M on 2 cores), so it runs once per
         `generate()` call, not per verify (`freshness.drop_stale`)."""
         fingerprints = {} if fingerprints is None else fingerprints
         return sum(group.drop_if_changed(fingerprints) for group in self.groups)
@@ -243,11 +243,9 @@ _PACKS: "weakref.WeakKeyDictionary[nn.Module, TargetPacks]" = weakref.WeakKeyDic
 
 
 def packs_for(model: nn.Module, linears: list[nn.Linear] | None = None) -> TargetPacks:
-    """The `TargetPacks` of `model`, kept beside it while it lives (copies are made on first use); made anew when
-    `linears` are other modules than those packed (a linear swapped, wrapped or moved to another dtype)."""
+    """The `TargetPacks` of `model`, kept beside it while it lives (copies are made on first use). Packs for linears
+    the model no longer holds are dropped once per call by `stale_packs`, not here: this runs at every verify."""
     packs = _PACKS.get(model)
-    if packs is not None and linears is not None and not _same_modules(packs.members(), linears):
-        packs = _PACKS[model] = None
     if packs is None:
         packs = _PACKS[model] = TargetPacks.of(model, linears)
     return packs
@@ -255,11 +253,6 @@ def packs_for(model: nn.Module, linears: list[nn.Linear] | None = None) -> Targe
 
 def _same_modules(a: list[nn.Module], b: list[nn.Module]) -> bool:
     return len(a) == len(b) and {id(m) for m in a} == {id(m) for m in b}
-
-
-def packed_targets() -> list[nn.Module]:
-    """The models that have packs (for `freshness.drop_stale`)."""
-    return list(_PACKS.keys())
 
 
 def stale_packs(model: nn.Module, fingerprints: dict) -> int:
