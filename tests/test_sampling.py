@@ -110,11 +110,24 @@ def run_check(n, temperature=1.0, top_k=None, top_p=None, kind="dspark", rows=50
     return chi_square_rejects(samples, probs), drafter
 
 
-@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)])
+# draws of the single-row path (one generate() a draw, ~20 ms each): the 50-row checks carry the statistical power,
+# these prove the path; the slow suite draws 6000 (`..._many_samples`)
+SINGLE_ROW_DRAWS = 800
+
+
+@pytest.mark.parametrize(
+    "kind, sampling",
+    [
+        ("dspark", dict(temperature=1.0)),
+        ("dspark", dict(temperature=0.7, top_k=3, top_p=0.9)),
+        ("eagle3", dict(temperature=1.0)),
+        pytest.param("eagle3", dict(temperature=0.7, top_k=3, top_p=0.9), marks=pytest.mark.slow),
+    ],
+)
 def test_sampling_matches_target_distribution(sampling, kind):
     rows = 1 if kind == "dspark" and sampling == dict(temperature=1.0) else 50  # one check on the single-row path
-    (rejects, stat, critical), drafter = run_check(1500, kind=kind, rows=rows, **sampling)
+    n = SINGLE_ROW_DRAWS if rows == 1 else 1500
+    (rejects, stat, critical), drafter = run_check(n, kind=kind, rows=rows, **sampling)
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: {kind} sampling differs from the target's distribution"
 
 
@@ -156,7 +169,7 @@ def test_sampling_with_padded_verifies_matches_target_distribution():
     """Algorithm 1 with verifies padded to the cheapest width (here 2 drafts, never 1, unless the length limit cuts
     the block) keeps the target's distribution."""
     # one row: the profile prices verifies of up to 4 tokens, a batch of rows would verify nothing
-    (rejects, stat, critical), drafter = run_check(1500, kind="dspark_padded", rows=1)
+    (rejects, stat, critical), drafter = run_check(SINGLE_ROW_DRAWS, kind="dspark_padded", rows=1)
     assert not rejects, f"chi2 {stat:.1f} > {critical:.1f}: padded verification differs from the target's"
     assert 2 in drafter.generation_stats.verify_lengths  # it did draft and pad in the last call
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dspark_hf.decoding.gate import DraftGate, RoundCosts, drafting_pays
+from dspark_hf.decoding.gate import DraftGate, GateMemory, RoundCosts, drafting_pays
 from dspark_hf.decoding.policy import VerifyPolicy
 from dspark_hf.decoding.scheduler import (
     SPSCurve,
@@ -279,6 +279,42 @@ def test_draft_gate_backs_off_while_probes_fail_and_resets_when_drafting_pays():
     assert free.wait == 6
     free_cost[0] = 0.0  # drafting became free: the next round drafts and the interval resets
     assert free.should_draft(sure, [4]) and free.wait == 3
+
+
+def test_a_call_starts_shut_where_the_last_one_ended_shut_and_probes_after_its_backed_off_wait():
+    """The gate's state carries over between calls through its `GateMemory`: a call after one that ended with the
+    gate shut (probes backed off to 12 plain rounds) keeps its rounds plain until the probe after 12, even where the
+    prediction alone would draft; a fresh memory drafts at once; a probe that measures cheaper reopens the gate."""
+    sps = {b: 10.0 for b in range(1, 10)}
+    clock = [0.0]
+    memory = GateMemory()
+    first = DraftGate(sps, draft_seconds=0.5, probe_interval=3, max_probe_interval=12, memory=memory)
+    first.record(0.5, [[0.1]])
+    for _ in range(40):  # hopeless drafts: probes at 3, 6, 12 plain rounds, then the wait stays at 12
+        if first.should_draft([[0.1]], [4]):
+            first.record(0.5, [[0.1]])
+    assert memory.shut and memory.wait == 12
+    sure = [[0.99, 0.99, 0.99]]
+    second = DraftGate(sps, draft_seconds=0.001, probe_interval=3, max_probe_interval=12, memory=memory)
+    decisions = [second.should_draft(sure, [4]) for _ in range(13)]
+    assert decisions == [False] * 12 + [True]  # plain until the probe, though drafting is now predicted to pay
+    fresh = DraftGate(sps, draft_seconds=0.001, probe_interval=3, max_probe_interval=12, memory=GateMemory())
+    fresh.record(0.001, sure)
+    assert fresh.should_draft(sure, [4])
+    # measured costs: a shut start whose probe measures cheaper per token than plain rounds opens the gate
+    memory = GateMemory()
+    memory.shut, memory.wait, memory.prior, memory.draft_seconds[1] = True, 4, [0.9] * 3, 0.01
+    gate = DraftGate(sps, probe_interval=4, memory=memory, clock=lambda: clock[0])
+    drafted = []
+    for i in range(12):
+        decision = gate.should_draft(sure, [4])
+        drafted.append(decision)
+        if decision:
+            gate.record(0.01, sure)
+        clock[0] += 0.1
+        gate.end_round(tokens=4 if decision else 1)  # a drafted round: 4 tokens in the time of a plain one
+    assert drafted[:4] == [False] * 4 and all(drafted[4:])
+    assert not memory.shut and memory.wait == 4
 
 
 def test_conditional_confidences_undo_the_cumulative_product():

@@ -101,12 +101,20 @@ class GateMemory:
     """What a `DraftGate` measures that outlives one `generate()` call: the draft pass's seconds per row count and the
     last confidences, so that a call does not price a cold first draft pass again; `VerifyPolicy.for_drafter` keeps
     one per drafter and target. Round times are measured per call: carried over, those of a cold first call (first
-    kernels at each width) kept the gate shut through short replies."""
+    kernels at each width) kept the gate shut through short replies.
+
+    Whether the gate was shut when the last call ended, and the wait its probes had backed off to, carry over too: on
+    text the drafter cannot follow, each call re-learning that drafting loses (drafting its first rounds, then probing
+    after 8, 16, 32 plain rounds) cost short replies 5-10 % against plain decoding (`make demo`). A call that starts
+    shut drafts first after `wait` plain rounds, a probe like any other: one that measures cheaper than plain reopens
+    the gate and resets the wait, so a cold first call keeps the next one plain for a few rounds at most."""
 
     def __init__(self):
         self.draft_seconds: dict[int, float] = {}  # rows -> smoothed seconds of a draft pass
         self.draft_passes: dict[int, int] = {}
         self.prior: list[float] | None = None
+        self.shut = False  # the last decided rounds were plain ones, two or more in a row
+        self.wait: int | None = None  # plain rounds before the next probe, as the last call left it
 
 
 class DraftGate:
@@ -171,7 +179,10 @@ class DraftGate:
         self.measured = self.memory.draft_seconds  # rows -> smoothed seconds of a draft pass
         self.plain_in_a_row = 0
         self.drafted_in_a_row = 0
-        self.wait = probe_interval  # plain rounds before the next probe (backs off while probes fail)
+        # plain rounds before the next probe (backs off while probes fail); a call that starts where the last one
+        # left the gate shut keeps its rounds plain until then (`GateMemory`)
+        self.wait = min(max(self.memory.wait or probe_interval, probe_interval), max_probe_interval)
+        self.started_shut = self.memory.shut  # until its first probe
         self.probing = False  # the last drafted round was a probe
         # drafted / plain round costs start afresh each call: a cold first call must not keep later ones plain
         self.rounds = {True: RoundCosts(weight, prior_rounds=prior_rounds), False: RoundCosts(weight)}
@@ -208,13 +219,24 @@ class DraftGate:
         return decision
 
     def _decide(self, hints, caps, confirm: bool = False) -> bool:
+        decision = self._decision(hints, caps, confirm)
+        if decision and not self.probing:
+            self.memory.shut = False
+        elif not decision and self.plain_in_a_row >= 2:
+            self.memory.shut = True
+        self.memory.wait = self.wait
+        return decision
+
+    def _decision(self, hints, caps, confirm: bool) -> bool:
         rows = len(hints)
         seconds = self.cost(rows)
         if seconds is None or self.prior is None:
             return True
         if self.plain_in_a_row >= self.wait:
-            self.probing = True
+            self.probing, self.started_shut = True, False
             return True
+        if self.started_shut:  # shut when the last call ended: plain until the first probe
+            return self._plain()
         predicted = [(self.prior if hint is None else hint)[:cap] for hint, cap in zip(hints, caps)]
         if drafting_pays(predicted, self.sps, seconds, max_tokens=len(caps) + sum(caps)):
             if confirm:  # measure the round after a probe; the probe's outcome is decided after it
@@ -223,6 +245,9 @@ class DraftGate:
                 self.wait, self.probing = self.probe_interval, False
                 return True
             self.measured_gated += 1
+        return self._plain()
+
+    def _plain(self) -> bool:
         if self.probing:  # the probe found nothing worth drafting: wait longer for the next one
             self.wait, self.probing = min(2 * self.wait, self.max_probe_interval), False
         self.plain_in_a_row += 1
@@ -254,7 +279,9 @@ class DraftGate:
         self.rounds[drafted].add(rows, seconds, tokens, expected if drafted else None)
         plain = self.rounds[False].per_token(rows)
         if probe and plain is not None and seconds / max(tokens, 1) <= plain:
-            self.wait, self.probing = self.probe_interval, False  # the probe measured cheaper: look again soon
+            # the probe measured cheaper: open, and look again soon
+            self.wait, self.probing = self.probe_interval, False
+            self.memory.shut, self.memory.wait = False, self.wait
 
     def cost(self, n_rows: int) -> float | None:
         if self.draft_seconds is None:
