@@ -141,7 +141,7 @@ def main() -> None:
             target, input_ids=ids, position_ids=positions[None], cache=cache, use_cache=True,
             attention_mask=torch.ones(1, context + ids.shape[1], dtype=torch.long),
         )  # fmt: skip
-        cache.crop(context)
+        cache.crop(-ids.shape[1])
         return out.logits
 
     compiled = torch.compile(step, dynamic=False)

@@ -306,7 +306,7 @@ def test_a_call_starts_shut_where_the_last_one_ended_shut_and_probes_after_its_b
     memory.shut, memory.wait, memory.prior, memory.draft_seconds[1] = True, 4, [0.9] * 3, 0.01
     gate = DraftGate(sps, probe_interval=4, memory=memory, clock=lambda: clock[0])
     drafted = []
-    for i in range(12):
+    for _ in range(12):
         decision = gate.should_draft(sure, [4])
         drafted.append(decision)
         if decision:

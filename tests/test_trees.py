@@ -300,17 +300,19 @@ def _tree_sampling_models(budget=6):
 
 @pytest.mark.parametrize("policy", ["fixed", "scheduler"])
 def test_seeded_sampling_with_a_tree_is_plain_seeded_sampling(policy):
-    """A sampling row's tokens are the seeded sampler's own: the same with a tree, a chain or no drafter, in generate()
-    and the Engine (each committed token is the target's Gumbel-max choice at its position, whichever node carried
-    it)."""
+    """A sampling row's tokens are the seeded sampler's own: the same with a tree of 6, 8 or 16 nodes, a chain or no
+    drafter, under either policy, in generate() and the Engine (each committed token is the target's Gumbel-max
+    choice at its position, whichever node carried it)."""
     from test_sampling import seeded_generate
 
     target, drafter = _tree_sampling_models()
     prompts = [[1, 2, 3, 0, 1], [3, 1], [2, 2, 0, 1, 3, 1, 0]]
     batch = seeded_generate(target, drafter, prompts, 5, verify_policy=policy, temperature=0.8)
     assert policy != "fixed" or max(drafter.generation_stats.verify_lengths) > 3  # more nodes than positions
+    for budget in (0, 8, 16):
+        drafter.config.tree_budget = budget
+        assert batch == seeded_generate(target, drafter, prompts, 5, verify_policy=policy, temperature=0.8), budget
     drafter.config.tree_budget = 0
-    assert batch == seeded_generate(target, drafter, prompts, 5, verify_policy=policy, temperature=0.8)
     torch.manual_seed(5)
     seeds = torch.randint(0, 2**63 - 1, (3,)).tolist()  # what generate() drew, one per row
     plain = [Engine(target).generate([p], max_new_tokens=12, do_sample=True, temperature=0.8, seed=s)[0]
