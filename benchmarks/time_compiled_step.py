@@ -26,6 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from time_verify_cost import read_bandwidth, weight_bytes  # beside this script
 
 import dspark_hf
 from dspark_hf.decoding.profiling import cpu_model
@@ -86,24 +87,6 @@ def static_step(target, capacity: int):
         return F.linear(norm(x, base.norm.weight), target.lm_head.weight)
 
     return step, keys, values
-
-
-def weight_bytes(target) -> int:
-    seen = {}
-    for module in target.modules():
-        if isinstance(module, torch.nn.Linear):
-            seen[module.weight.data_ptr()] = module.weight.numel() * module.weight.element_size()
-    return sum(seen.values())
-
-
-def floor_ms(nbytes: int) -> float:
-    big = torch.ones(nbytes // 4)
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        big.sum()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 @torch.no_grad()
@@ -174,10 +157,11 @@ def main() -> None:
                 run(ids, positions, mask)
                 if i >= 2:
                     times[width, way].append((time.perf_counter() - start) * 1e3)
-    floor = floor_ms(weight_bytes(target))
+    nbytes = weight_bytes(target)
+    floor = nbytes / read_bandwidth(nbytes)[0] * 1e3
     medians = {key: statistics.median(v) for key, v in times.items()}
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, cache {context} tokens")
-    print(f"memory floor {floor:.1f} ms ({weight_bytes(target) / 1e6:.0f} MB of weights)")
+    print(f"memory floor {floor:.1f} ms ({nbytes / 1e6:.0f} MB of weights)")
     print("width" + "".join(f"{way:>12}" for way in ways) + "   (ms; x the floor)")
     for width in widths:
         cells = "".join(f"{medians[width, way]:7.1f} {medians[width, way] / floor:3.1f}x" for way in ways)
