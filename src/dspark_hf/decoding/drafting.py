@@ -28,7 +28,7 @@ from ..utils.devices import below_float16, below_float16_text, model_device, mod
 from .ragged_cache import RaggedCache
 from .rows import Drafts, choose_tokens, process_logits
 from .scheduler import conditional_confidences
-from .trees import grow_trees, tree_drafts
+from .trees import calibrated, grow_trees, tree_drafts
 
 
 DRAFTER_TYPES = ("dspark", "dspark_eagle3")
@@ -198,7 +198,8 @@ class DSparkCandidateGenerator(_Generator):
 
         hidden (B, γ, d). U_k is computed once per depth for every row; a node at depth k - 1 (the anchor: 0) gets as
         children the top candidates of l = processors(U_k + B_k(its token)), its path's tokens as their prefix, each
-        scored by its draft probability softmax(l). A sampling row ranks them by l + g, with g the Gumbel noise its
+        scored by its draft probability softmax(l), or for a greedy row with `config.tree_calibration` that
+        probability calibrated (`node_children`). A sampling row ranks them by l + g, with g the Gumbel noise its
         target choice at that position uses (`randomness.py`), so its first child is the coupled draft: the tree
         then holds the chain it would have drafted, and more. The nodes' path estimates take the place of
         survivals for the policy. With a `policy` that can stop early (the CPU default), growth stops once the
@@ -213,39 +214,13 @@ class DSparkCandidateGenerator(_Generator):
         first = min(EARLY_DRAFT_POSITIONS, depth) if early else depth
         base = [self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)]
         anchors = [row.seq[-1] for row in rows]
+        fit = getattr(self.config, "tree_calibration", None)
 
         def expand(entries):
-            index = torch.tensor([r for r, _, _ in entries], device=hidden.device)
-            levels = [tree.depth(node) for _, tree, node in entries]
-            if max(levels) >= base[0].shape[1]:  # a node deeper than the depths computed so far: the rest at once
+            if max(tree.depth(node) for _, tree, node in entries) >= base[0].shape[1]:  # deeper: the rest at once
                 rest = self.drafter.draft_base_logits(hidden[:, base[0].shape[1] : depth], self.lm_head)
                 base[0] = torch.cat([base[0], rest], dim=1)
-            level = torch.tensor(levels, device=hidden.device)
-            prev = torch.tensor(
-                [[anchors[r] if node < 0 else tree.tokens[node]] for r, tree, node in entries], device=hidden.device
-            )  # (n, 1)
-            states = [None if node < 0 else tree.states[node] for _, tree, node in entries]
-            state = None if states[0] is None else torch.stack(states)  # (n, r): the RNN head's, per node
-            bias, next_state = self.drafter.draft_sequential_bias(prev, hidden[index, level][:, None], state)
-            logits = base[0][index, level] if bias is None else base[0][index, level] + bias[:, 0]  # (n, V)
-            paths = [[tree.path(node)] for _, tree, node in entries]
-            entry_rows = [rows[r] for r, _, _ in entries]
-            logits = process_logits(entry_rows, logits[:, None], paths=paths)[:, 0]
-            ranked = logits
-            if any(row.do_sample for row in entry_rows):  # the children of a node at depth d: position len(seq) + d
-                ranked = logits.clone()
-                for i, (row, d) in enumerate(zip(entry_rows, levels)):
-                    if row.do_sample:
-                        ranked[i] += row.noise([len(row.seq) + d], logits.shape[-1], logits.device)[0]
-            top = torch.topk(ranked, min(budget, logits.shape[-1]), dim=-1)
-            probs = torch.softmax(logits, dim=-1).gather(1, top.indices)  # (n, k)
-            finite = torch.isfinite(top.values)  # a token the processors ruled out is never a child
-            out = []
-            for i, (tokens, p, ok) in enumerate(zip(top.indices.tolist(), probs.tolist(), finite.tolist())):
-                kept = [(t, q) for t, q, o in zip(tokens, p, ok) if o]
-                child_state = None if next_state is None else next_state[i]
-                out.append(([t for t, _ in kept], [q for _, q in kept], child_state))
-            return out
+            return node_children(self.drafter, hidden, base[0], anchors, entries, budget, rows, fit)
 
         def settled(trees, open_rows):
             conditional = [conditional_confidences(tree.scores) for tree in trees]
@@ -268,6 +243,52 @@ class DSparkCandidateGenerator(_Generator):
         full = drafter.base_logits(h_k, self.lm_head)[:, 0] + (0 if bias is None else bias[:, 0])
         full = process_logits(rows, full[:, None], tokens, first=k)[:, 0]
         return torch.where(empty[:, None], full, logits)
+
+
+def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=None, fit=None):
+    """Candidate children of a batch of tree nodes, `grow_trees`' `expand`: per (row, tree, node) entry (node -1:
+    the row's anchor), (tokens, estimates, state) of its top `budget` candidates, best first.
+
+    hidden (B, γ, d) and base (B, ≥ depth + 1, V): row r's block hidden states and base logits U_k; anchors[r] its
+    anchor token. A node at depth d gets l = U_{d+1} + B_{d+1}(its token) (its sequential-head state carried),
+    under `rows[r]`'s logits processors with its path as prefix; a sampling row ranks by l + g, its target choice's
+    Gumbel noise at that position (`randomness.py`), so its first child is the coupled draft. A child's estimate is
+    its draft probability softmax(l), calibrated for greedy rows by `fit` (`trees.calibrated`). rows None: greedy
+    rows without processors (`training/calibration.py` grows held-out blocks' trees with it).
+    """
+    index = torch.tensor([r for r, _, _ in entries], device=hidden.device)
+    levels = [tree.depth(node) for _, tree, node in entries]
+    level = torch.tensor(levels, device=hidden.device)
+    prev = torch.tensor(
+        [[anchors[r] if node < 0 else tree.tokens[node]] for r, tree, node in entries], device=hidden.device
+    )  # (n, 1)
+    states = [None if node < 0 else tree.states[node] for _, tree, node in entries]
+    state = None if states[0] is None else torch.stack(states)  # (n, r): the RNN head's, per node
+    bias, next_state = drafter.draft_sequential_bias(prev, hidden[index, level][:, None], state)
+    logits = base[index, level] if bias is None else base[index, level] + bias[:, 0]  # (n, V)
+    entry_rows = None if rows is None else [rows[r] for r, _, _ in entries]
+    ranked = logits
+    if entry_rows is not None:
+        paths = [[tree.path(node)] for _, tree, node in entries]
+        logits = process_logits(entry_rows, logits[:, None], paths=paths)[:, 0]
+        ranked = logits
+        if any(row.do_sample for row in entry_rows):  # the children of a node at depth d: position len(seq) + d
+            ranked = logits.clone()
+            for i, (row, d) in enumerate(zip(entry_rows, levels)):
+                if row.do_sample:
+                    ranked[i] += row.noise([len(row.seq) + d], logits.shape[-1], logits.device)[0]
+    top = torch.topk(ranked, min(budget, logits.shape[-1]), dim=-1)
+    probs = torch.softmax(logits, dim=-1).gather(1, top.indices)  # (n, k)
+    finite = torch.isfinite(top.values)  # a token the processors ruled out is never a child
+    out = []
+    for i, (tokens, p, ok) in enumerate(zip(top.indices.tolist(), probs.tolist(), finite.tolist())):
+        kept = [(t, q) for t, q, o in zip(tokens, p, ok) if o]
+        estimates = [q for _, q in kept]
+        if fit is not None and (entry_rows is None or not entry_rows[i].do_sample):
+            estimates = calibrated(estimates, levels[i] + 1, fit)  # its children sit at depth levels[i] + 1
+        child_state = None if next_state is None else next_state[i]
+        out.append(([t for t, _ in kept], estimates, child_state))
+    return out
 
 
 def _read_back(seen: list[torch.Tensor]) -> list[list[float]]:
@@ -348,4 +369,5 @@ __all__ = [
     "Eagle3CandidateGenerator",
     "candidate_generator_for",
     "is_drafter",
+    "node_children",
 ]

@@ -7,6 +7,9 @@ A tree grows best-first by estimated path acceptance, the product of the draft p
 idea of EAGLE-2's dynamic trees): the candidate with the best path estimate joins next, then its own children become
 candidates. A child's estimate never exceeds its parent's, so nodes join in non-increasing order of their estimate,
 after their parent: every prefix of the join order is a tree, and the verify policy can cut it anywhere.
+With `config.tree_calibration` (fitted by `dspark-hf calibrate`) a greedy row's children are priced by `calibrated`
+instead: per depth and rank, a monotone map of the draft probability to P(target's token = this child | parent
+accepted). Those are in (0, 1) too, so estimates still never rise along a path.
 
 Layout: a row's nodes are numbered in join order; node i sits at verify slot i + 1 (slot 0 is the anchor), its
 parent at slot `parents[i]` (0: the anchor), at position anchor + `depths[i]`. Siblings hold distinct tokens (the
@@ -16,6 +19,7 @@ accepted nodes form one path, whose slots ascend with depth.
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +57,30 @@ class Tree:
 
     def depth(self, node: int) -> int:
         return 0 if node < 0 else self.depths[node]
+
+
+PROB_FLOOR = 1e-6  # draft probabilities are clipped to [floor, 1 - floor] before the logit: finite, monotone
+
+
+def prob_logit(p: float) -> float:
+    p = min(max(p, PROB_FLOOR), 1.0 - PROB_FLOOR)
+    return math.log(p / (1.0 - p))
+
+
+def calibrated(probs: list[float], depth: int, fit: list | None) -> list[float]:
+    """The estimates that the target's greedy token is each of a node's children, given the node accepted: its
+    children's draft probabilities `probs` (rank order, best first) at `depth` (1 = the first draft position) mapped
+    by `fit` (`config.tree_calibration`: per depth, a [scale, shift] pair per rank, the last pair for later ranks)
+    to sigmoid(scale · logit(p) + shift); `fit` None: `probs` as they are."""
+    if fit is None:
+        return probs
+    pairs = fit[min(depth, len(fit)) - 1]
+    out = []
+    for rank, p in enumerate(probs):
+        scale, shift = pairs[min(rank, len(pairs) - 1)]
+        z = scale * prob_logit(p) + shift
+        out.append(1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z)))
+    return out
 
 
 def grow_trees(expand, n_rows: int, caps: list[int], budget: int, settled=None) -> list[Tree]:
@@ -211,6 +239,7 @@ def tree_drafts(trees, device) -> Drafts:
 __all__ = [
     "Tree",
     "ancestors",
+    "calibrated",
     "graft",
     "grow_trees",
     "pack_trees",

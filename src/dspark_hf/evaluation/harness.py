@@ -109,6 +109,9 @@ def fixed_draft_length(assistant, length: int):
             changes["verify_policy"] = "fixed"
         if getattr(config, "sts_temperatures", None) is not None:  # one per position
             changes["sts_temperatures"] = (list(config.sts_temperatures) + [1.0] * length)[:length]
+        if getattr(config, "tree_calibration", None):  # one per depth: the deepest one's maps for the new depths
+            fit = list(config.tree_calibration)
+            changes["tree_calibration"] = (fit + [fit[-1]] * length)[:length]
     elif getattr(assistant, "generation_config", None) is not None:
         holder = assistant.generation_config
         changes = {

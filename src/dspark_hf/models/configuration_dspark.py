@@ -384,6 +384,11 @@ class DSparkConfig(DrafterConfig):
             most N nodes per row, grown best-first by estimated path acceptance and verified in one target forward
             (greedy and seeded sampling rows; see docs/trees.md). The verify policy then chooses how many of the
             tree's best nodes to verify. At most `MAX_TREE_BUDGET` (128): each node is one more verified position.
+        tree_calibration (`list`, *optional*): how a tree prices its nodes. None: a node's estimate is its draft
+            probability. Otherwise, per draft depth k (block_size lists), one [scale, shift] pair per child rank j
+            (by draft probability; ranks past the last use the last pair): the estimate that the target's greedy
+            token is that child, given its parent accepted, is sigmoid(scale · logit(p) + shift) of its draft
+            probability p. Fitted by `dspark-hf calibrate` (docs/trees.md); greedy rows only, not exported.
         context_window (`int`, *optional*): a block anchored at position a attends to the target features of the
             `context_window` positions before it (a - W .. a - 1) and no further, in training and in decoding, so
             the draft pass's cost and behaviour stop depending on the prompt's length (the drafter cache keeps only
@@ -411,6 +416,7 @@ class DSparkConfig(DrafterConfig):
     draft_gate: bool = True
     draft_vocab_size: int = 0
     tree_budget: int = 0
+    tree_calibration: list | None = None
     draft_layer: str = "llama"
     attention_k_eq_v: bool = False
     context_window: int | None = None

@@ -1,9 +1,9 @@
 """The settings decoding reads when it runs, checked in one place: a DSpark config's verify policy and threshold,
-draft gate, trees, lookup drafts, context window, STS temperatures, draft vocabulary and mask token, and the settings
-a drafter's weights fix. `DSparkConfig.check_runtime_settings` (the public entry) runs them when a config is built or
-loaded, and `generate()` and the `Engine` before any forward, since a live drafter's config can be changed
-(`drafter.config.tree_budget = 16`) where `@strict` checks only types. Each bad value is one `ValueError` naming the
-field, what it allows and the value given."""
+draft gate, trees and their calibration, lookup drafts, context window, STS temperatures, draft vocabulary and mask
+token, and the settings a drafter's weights fix. `DSparkConfig.check_runtime_settings` (the public entry) runs them
+when a config is built or loaded, and `generate()` and the `Engine` before any forward, since a live drafter's config
+can be changed (`drafter.config.tree_budget = 16`) where `@strict` checks only types. Each bad value is one
+`ValueError` naming the field, what it allows and the value given."""
 
 import math
 from typing import Any
@@ -92,6 +92,8 @@ def check_dspark_settings(config, drafter=None) -> None:
             f"{config.block_size})",
             temperatures,
         )
+    if getattr(config, "tree_calibration", None) is not None:
+        check_tree_calibration(config.tree_calibration, config.block_size)
     check_int("draft_vocab_size", config.draft_vocab_size, 0, config.vocab_size, "0: the whole vocabulary")
     if config.mask_token_id is not None:
         check_int(
@@ -99,6 +101,33 @@ def check_dspark_settings(config, drafter=None) -> None:
         )
     if drafter is not None:
         check_weights_match(config, drafter)
+
+
+def check_tree_calibration(fit: Any, block_size: int) -> None:
+    """`tree_calibration`: one list per draft depth (block_size of them), each a non-empty list of [scale, shift]
+    pairs, one per child rank, scale > 0 and both finite (`decoding/trees.calibrated`: scale > 0 keeps the map
+    increasing)."""
+
+    def pair(value: Any) -> bool:
+        return (
+            isinstance(value, (list, tuple))
+            and len(value) == 2
+            and all(_is_real(v) and math.isfinite(v) for v in value)
+            and value[0] > 0
+        )
+
+    if (
+        not isinstance(fit, (list, tuple))
+        or len(fit) != block_size
+        or not all(isinstance(d, (list, tuple)) and d and all(pair(p) for p in d) for d in fit)
+    ):
+        raise _refuse(
+            "tree_calibration",
+            f"None or, for each of the {block_size} draft depths (block_size {block_size}), a non-empty list of "
+            "[scale, shift] pairs, one per child rank, with scale > 0 and both finite (refit it with `dspark-hf "
+            "calibrate`, or set it to None for the raw draft probabilities)",
+            fit,
+        )
 
 
 def check_weights_match(config, drafter) -> None:

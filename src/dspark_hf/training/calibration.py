@@ -8,7 +8,16 @@ Labels come from held-out data under teacher forcing: a block's prefix of length
 drafts are what the target would emit (greedy) — then the teacher-forced inputs equal the drafted ones, so the
 confidence logits are exactly those seen at inference on every surviving prefix.
 
-`write_calibrated_copy` writes what `dspark-hf calibrate` gives: a copy of the drafter with the fitted temperatures.
+Draft trees need more than the top draft's survival: P(target's greedy token = the rank-j child | parent accepted),
+per depth k and rank j. `fit_tree_calibration` fits, per (k, j), a logistic map of the child's draft probability,
+sigmoid(a · logit(p) + b) with a > 0 (monotone), on the same held-out blocks under teacher forcing: on the target's
+own path, the drafter's children at depth k are exactly the top candidates of the teacher-forced draft logits there,
+so every block whose first k - 1 target tokens are each among the top `ranks` children is one sample per rank at
+depth k. `tree_depth_check` grows every held-out block's tree as decoding does and compares the summed path
+estimates (the expected accepted depth of verifying them all) with the depth the target's tokens accept.
+
+`write_calibrated_copy` writes what `dspark-hf calibrate` gives: a copy of the drafter with the fitted temperatures
+(and `tree_calibration`).
 """
 
 import os
@@ -25,6 +34,9 @@ REPORT_FILE = "calibration.json"  # the report, beside the calibrated copy's con
 
 DEFAULT_GRID = torch.exp(torch.linspace(-2.5, 2.5, 101))  # T from ~0.08 to ~12, log-spaced
 MIN_BLOCKS = 2  # the cross-fitted report fits on one fold and scores the other
+TREE_RANKS = 4  # children per node whose estimates are fitted one by one; later ranks take the last rank's map
+TREE_BUDGET = 16  # nodes of the trees `tree_depth_check` grows (every one verified)
+TREE_RIDGE = 1.0  # pull of each (depth, rank) map towards the identity (a = 1, b = 0): few samples stay near raw
 
 
 def count_full_blocks(dataset, block_size: int, seq_len: int) -> int:
@@ -153,6 +165,232 @@ def collect_confidence(
     return torch.cat(logits), torch.cat(labels)
 
 
+@torch.no_grad()
+def collect_tree_blocks(
+    drafter, target, dataset, seq_len=512, batch_size=4, num_anchors=64, num_batches=8, seed=0, against_target=False
+):
+    """Fully supervised held-out blocks as decoding drafts them: block hidden states (N, γ, d), anchor tokens (N,)
+    and the tokens the target emits after the anchor (N, γ): the data's, or with `against_target` the target's own
+    greedy tokens there. The same batches and blocks as `collect_confidence`."""
+    from .data import make_blocks
+    from .step import target_features
+
+    config = drafter.config
+    lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
+    hidden, anchors, tokens = [], [], []
+    for ids, mask, gen in dataset.seeded_batches(num_batches, batch_size, seq_len, first_seed=seed * 7919):
+        blocks = make_blocks(ids, mask, config.block_size, num_anchors, gen, getattr(config, "context_window", None))
+        features, last_hidden = target_features(target, ids, config.target_layer_ids)
+        h = drafter.block_hidden(features, ids, blocks, embed)  # (B, N, γ, d)
+        wanted = blocks.labels
+        if against_target:
+            pos = blocks.label_positions.flatten(1)  # (B, N·γ)
+            picked = torch.gather(last_hidden, 1, pos[..., None].expand(-1, -1, last_hidden.shape[-1]))
+            wanted = drafter.base_logits(picked, lm_head).argmax(-1).view_as(blocks.labels)
+        full = blocks.valid.all(-1)  # (B, N)
+        hidden.append(h[full].float())
+        anchors.append(torch.gather(ids, 1, blocks.anchors)[full])
+        tokens.append(wanted[full])
+    return torch.cat(hidden), torch.cat(anchors), torch.cat(tokens)
+
+
+@torch.no_grad()
+def tree_fit_data(drafter, lm_head, hidden, anchors, tokens, ranks: int = TREE_RANKS, chunk: int = 64):
+    """Teacher-forced children of the target's path: probs (N, γ, R), the draft probabilities of the top R
+    candidates at each depth (a node's children, best first); hits (N, γ, R), whether the target's token is that
+    child; reach (N, γ), whether every earlier target token is among its depth's top R (the path so far could be
+    in a tree that branches R ways, and accepted)."""
+    probs, hits = [], []
+    for i in range(0, hidden.shape[0], chunk):
+        h, want = hidden[i : i + chunk], tokens[i : i + chunk]
+        prev = torch.cat([anchors[i : i + chunk, None], want[:, :-1]], dim=1)  # (n, γ): teacher forcing
+        logits = drafter.draft_base_logits(h, lm_head)
+        bias, _ = drafter.draft_sequential_bias(prev, h)
+        if bias is not None:
+            logits = logits + bias
+        top = torch.softmax(logits.float(), dim=-1).topk(ranks, dim=-1)
+        probs.append(top.values)
+        hits.append(top.indices == want[..., None])
+    probs, hits = torch.cat(probs), torch.cat(hits)
+    inside = hits.any(-1).long()  # (N, γ)
+    reach = torch.cat([torch.ones_like(inside[:, :1]), inside[:, :-1].cumprod(-1)], dim=1).bool()
+    return probs, hits, reach
+
+
+def prob_logits(probs: torch.Tensor) -> torch.Tensor:
+    """logit(p) with p clipped as `trees.calibrated` clips it."""
+    from ..decoding.trees import PROB_FLOOR
+
+    p = probs.double().clamp(PROB_FLOOR, 1.0 - PROB_FLOOR)
+    return torch.log(p / (1.0 - p))
+
+
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, ridge: float = TREE_RIDGE, steps: int = 50) -> list[float]:
+    """[a, b] minimising Σ BCE(σ(a·x + b), y) + ridge·((a - 1)² + b²) by damped Newton; a kept >= 0.01 (an
+    increasing map: the children's order by draft probability stays theirs)."""
+    x, y = x.double(), y.double()
+    theta = torch.tensor([1.0, 0.0], dtype=torch.double)
+    prior = torch.tensor([1.0, 0.0], dtype=torch.double)
+    design = torch.stack([x, torch.ones_like(x)], dim=1)  # (n, 2)
+
+    def loss(t):
+        z = design @ t
+        return float(torch.nn.functional.softplus(z).sum() - (y * z).sum() + ridge * ((t - prior) ** 2).sum())
+
+    for _ in range(steps):
+        p = torch.sigmoid(design @ theta)
+        grad = design.T @ (p - y) + 2 * ridge * (theta - prior)
+        hess = design.T @ (design * (p * (1 - p))[:, None]) + 2 * ridge * torch.eye(2, dtype=torch.double)
+        step = torch.linalg.solve(hess, grad)
+        current, scale = loss(theta), 1.0
+        while scale > 1e-4 and loss(theta - scale * step) > current:
+            scale /= 2
+        theta = theta - scale * step
+        theta[0] = theta[0].clamp(min=0.01)
+        if float(step.abs().max()) * scale < 1e-9:
+            break
+    return [float(theta[0]), float(theta[1])]
+
+
+def fit_tree_calibration(probs, hits, reach, ridge: float = TREE_RIDGE) -> list[list[list[float]]]:
+    """`config.tree_calibration` from `tree_fit_data`'s tensors: per depth, an [a, b] pair per rank, fitted on the
+    blocks that reach that depth."""
+    fit = []
+    for k in range(probs.shape[1]):
+        sel = reach[:, k]
+        fit.append(
+            [fit_logistic(prob_logits(probs[sel, k, j]), hits[sel, k, j], ridge) for j in range(probs.shape[2])]
+        )
+    return fit
+
+
+def apply_tree_calibration(probs: torch.Tensor, fit) -> torch.Tensor:
+    """(N, γ, R) draft probabilities -> their calibrated estimates under `fit` (`trees.calibrated`, vectorised)."""
+    if fit is None:
+        return probs.double()
+    gamma, ranks = probs.shape[1], probs.shape[2]
+    pairs = torch.tensor(
+        [
+            [fit[min(k, len(fit) - 1)][min(j, len(fit[min(k, len(fit) - 1)]) - 1)] for j in range(ranks)]
+            for k in range(gamma)
+        ],
+        dtype=torch.double,
+    )  # (γ, R, 2)
+    return torch.sigmoid(pairs[..., 0] * prob_logits(probs) + pairs[..., 1])
+
+
+def _tree_ece(probs, hits, reach, fit, bins: int) -> list[list[float | None]]:
+    """ECE per depth and rank of the (calibrated) estimates, over the blocks reaching each depth."""
+    estimates = apply_tree_calibration(probs, fit)
+    out = []
+    for k in range(probs.shape[1]):
+        sel = reach[:, k]
+        out.append(
+            [
+                expected_calibration_error(estimates[sel, k, j], hits[sel, k, j], bins) if sel.any() else None
+                for j in range(probs.shape[2])
+            ]  # fmt: skip
+        )
+    return out
+
+
+def _halves(n: int, seed: int = 0) -> list[torch.Tensor]:
+    return list(torch.randperm(n, generator=torch.Generator().manual_seed(seed)).chunk(2))
+
+
+def tree_calibration_report(probs, hits, reach, fit, bins: int = 20) -> dict:
+    """ECE per depth and rank: `before` (raw draft probabilities), `after` (under `fit`, fitted on these blocks) and
+    `cross_fitted` (each half of the blocks under a fit on the other half); with the samples per depth and rank
+    and the share of them that hit."""
+    cross = torch.empty(probs.shape, dtype=torch.double)
+    if probs.shape[0] >= MIN_BLOCKS:
+        for part, rest in zip(_halves(probs.shape[0]), reversed(_halves(probs.shape[0]))):
+            cross[part] = apply_tree_calibration(
+                probs[part], fit_tree_calibration(probs[rest], hits[rest], reach[rest])
+            )
+    cross_ece = []
+    for k in range(probs.shape[1]):
+        sel = reach[:, k]
+        cross_ece.append(
+            [
+                expected_calibration_error(cross[sel, k, j], hits[sel, k, j], bins) if sel.any() else None
+                for j in range(probs.shape[2])
+            ]  # fmt: skip
+        )
+    counts = reach.sum(0).tolist()
+    return {
+        "ranks": int(probs.shape[2]),
+        "samples": counts,
+        "hit_rate": [
+            [float(hits[reach[:, k], k, j].float().mean()) if counts[k] else None for j in range(probs.shape[2])]
+            for k in range(probs.shape[1])
+        ],
+        "ece_before": _tree_ece(probs, hits, reach, None, bins),
+        "ece_after": _tree_ece(probs, hits, reach, fit, bins),
+        "ece_cross_fitted": cross_ece,
+        "fit": fit,
+    }
+
+
+def accepted_depth(tree, tokens: list[int]) -> int:
+    """How deep the target's tokens `tokens` (after the anchor) walk into `tree` from the anchor."""
+    node, depth = -1, 0
+    for token in tokens:
+        node = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == node and t == token), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
+@torch.no_grad()
+def grow_block_trees(drafter, lm_head, hidden, anchors, budget: int = TREE_BUDGET, fit=None, chunk: int = 64):
+    """Each held-out block's greedy tree as decoding grows it (`drafting.node_children`, `trees.grow_trees`), at
+    most `budget` nodes, its estimates under `fit` (None: raw)."""
+    from ..decoding.drafting import node_children
+    from ..decoding.trees import grow_trees
+
+    gamma, trees = hidden.shape[1], []
+    for i in range(0, hidden.shape[0], chunk):
+        h = hidden[i : i + chunk]
+        base = drafter.draft_base_logits(h, lm_head)  # (n, γ, V)
+        heads = anchors[i : i + chunk].tolist()
+
+        def expand(entries, h=h, base=base, heads=heads):
+            return node_children(drafter, h, base, heads, entries, budget, None, fit)
+
+        trees += grow_trees(expand, h.shape[0], [gamma] * h.shape[0], budget)
+    return trees
+
+
+def tree_depth_check(drafter, lm_head, hidden, anchors, tokens, fit, budget: int = TREE_BUDGET, probs=None) -> dict:
+    """Predicted against measured accepted depth of every held-out block's tree with all its nodes verified,
+    raw and calibrated: predicted = the mean sum of the nodes' path estimates, measured = the mean depth the target's
+    tokens accept (± its standard error). The calibrated trees are cross-fitted: each half of the blocks under a fit
+    on the other half (`probs`: `tree_fit_data`'s (probs, hits, reach) to fit from; None: `fit` as given)."""
+    n = hidden.shape[0]
+    parts = [(torch.arange(n), None, None)]
+    if probs is not None and n >= MIN_BLOCKS:
+        p, h, r = probs
+        parts = [(part, fit_tree_calibration(p[rest], h[rest], r[rest]), None)
+                 for part, rest in zip(_halves(n), reversed(_halves(n)))]  # fmt: skip
+    out = {"budget": budget, "blocks": n}
+    for name in ("raw", "calibrated"):
+        predicted, measured = [], []
+        for part, part_fit, _ in parts:
+            use = None if name == "raw" else (fit if part_fit is None else part_fit)
+            trees = grow_block_trees(drafter, lm_head, hidden[part], anchors[part], budget, use)
+            predicted += [sum(tree.scores) for tree in trees]
+            measured += [accepted_depth(tree, want) for tree, want in zip(trees, tokens[part].tolist())]
+        m = torch.tensor(measured, dtype=torch.double)
+        out[name] = {
+            "predicted": float(sum(predicted) / max(n, 1)),
+            "measured": float(m.mean()) if n else 0.0,
+            "measured_stderr": float(m.std() / n**0.5) if n > 1 else None,
+        }
+    return out
+
+
 def reliability_diagram(logits, prefix_labels, temperatures, png_path, bins: int = 10) -> None:
     """One panel per position: mean predicted survival vs observed, before and after STS."""
     import matplotlib
@@ -185,11 +423,16 @@ def reliability_diagram(logits, prefix_labels, temperatures, png_path, bins: int
 
 
 def write_calibrated_copy(
-    source: str | os.PathLike, out: str | os.PathLike, temperatures, report: dict, overwrite: bool = False
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    temperatures,
+    report: dict,
+    overwrite: bool = False,
+    tree_calibration=None,
 ) -> Path:
     """Write a calibrated copy of the drafter checkpoint `source` (a local folder, or a Hub id: its snapshot in the
-    cache, fetched if need be) to `out`: its files, with `sts_temperatures` = `temperatures` in config.json, and
-    `report` as calibration.json. `source` is only read.
+    cache, fetched if need be) to `out`: its files, with `sts_temperatures` = `temperatures` in config.json (and
+    `tree_calibration` where given), and `report` as calibration.json. `source` is only read.
 
     A non-empty `out` is refused unless `overwrite`; the copy is made in a folder beside `out` and renamed into place
     once complete, so an overwritten `out` keeps its old content until then (`utils.files.write_folder`).
@@ -205,6 +448,9 @@ def write_calibrated_copy(
                 shutil.copyfile(path, tmp / path.name)
         config = DSparkConfig.from_pretrained(tmp)
         config.sts_temperatures = [float(t) for t in temperatures]
+        if tree_calibration is not None:
+            config.tree_calibration = tree_calibration
+            config.check_runtime_settings()
         config.to_json_file(tmp / "config.json")
         atomic_write_json(report, tmp / REPORT_FILE)
 
@@ -222,6 +468,15 @@ def _local_checkpoint(source: str | os.PathLike) -> Path:
 
 
 __all__ = [
+    "accepted_depth",
+    "apply_tree_calibration",
+    "collect_tree_blocks",
+    "fit_logistic",
+    "fit_tree_calibration",
+    "grow_block_trees",
+    "tree_calibration_report",
+    "tree_depth_check",
+    "tree_fit_data",
     "expected_calibration_error",
     "auroc",
     "brier",

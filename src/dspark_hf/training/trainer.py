@@ -129,6 +129,8 @@ def apply_shape_overrides(drafter_config, config: DSparkTrainingConfig):
     values.update(changed)
     if "block_size" in changed:
         values["sts_temperatures"] = None  # one per position: the file's no longer fit
+        if "tree_calibration" in values:
+            values["tree_calibration"] = None  # one per depth, as the temperatures
     if values.get("sequential_head") == "none":
         values["confidence_with_markov"] = False  # no sequential head: the confidence head reads h_k alone
     logger.info(f"Overriding {sorted(changed)} of {config.drafter_config}.")
