@@ -212,9 +212,13 @@ def tree_fit_data(drafter, lm_head, hidden, anchors, tokens, ranks: int = TREE_R
         probs.append(top.values)
         hits.append(top.indices == want[..., None])
     probs, hits = torch.cat(probs), torch.cat(hits)
-    inside = hits.any(-1).long()  # (N, γ)
-    reach = torch.cat([torch.ones_like(inside[:, :1]), inside[:, :-1].cumprod(-1)], dim=1).bool()
-    return probs, hits, reach
+    return probs, hits, tree_reach(hits)
+
+
+def tree_reach(hits: torch.Tensor) -> torch.Tensor:
+    """(N, γ, R) hits -> (N, γ): every earlier depth's target token is one of its top R children."""
+    inside = hits.any(-1).long()
+    return torch.cat([torch.ones_like(inside[:, :1]), inside[:, :-1].cumprod(-1)], dim=1).bool()
 
 
 def prob_logits(probs: torch.Tensor) -> torch.Tensor:
@@ -477,6 +481,7 @@ __all__ = [
     "tree_calibration_report",
     "tree_depth_check",
     "tree_fit_data",
+    "tree_reach",
     "expected_calibration_error",
     "auroc",
     "brier",
