@@ -3,6 +3,7 @@ own forward in every kernel scope, for the families it takes; the model's own fo
 
 import contextlib
 import gc
+import sys
 import weakref
 
 import pytest
@@ -143,6 +144,38 @@ def test_a_hook_on_a_sibling_linear_is_called_and_the_values_stay(monkeypatch):
     (own, lean), _ = both_forwards(model, "packed")
     assert seen == [1] * 4  # each side's prefill and its round, the lean one included
     assert torch.equal(own.logits, lean.logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_norms_run_inline_unless_one_is_hooked_or_swapped(family):
+    """transformers' own RMSNorms (Qwen3's q/k norms too) run inline, not as module calls; a hook on one, or a norm
+    of another class, makes the lean forward call every norm as a module, and the values stay the model's."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model = family_target(family)
+    calls = []
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.register_forward_pre_hook(lambda *a: calls.append(1))
+    (own, lean), _ = both_forwards(model, "linear")
+    norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+    assert len(calls) == 4 * norms and torch.equal(own.logits, lean.logits)  # hooked: called by both sides
+    fresh = family_target(family)
+    calls.clear()
+    fresh.model.layers[0].input_layernorm.register_forward_pre_hook(lambda *a: calls.append(1))
+    (own, lean), _ = both_forwards(fresh, "linear")
+    assert len(calls) == 4 and torch.equal(own.logits, lean.logits)  # one hooked norm: its calls on both sides
+    plain = family_target(family)
+    modeling = sys.modules[type(plain.model).__module__]
+    assert lean_forward._plain_norms(plain.model, plain.model.layers, modeling)
+    if family == "qwen3":  # a norm of another class (Llama's, the same arithmetic) is called as a module
+        norm = plain.model.layers[1].post_attention_layernorm
+        other = LlamaRMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon)
+        other.load_state_dict(norm.state_dict())
+        plain.model.layers[1].post_attention_layernorm = other
+        assert not lean_forward._plain_norms(plain.model, plain.model.layers, modeling)
+        (own, lean), _ = both_forwards(plain, "linear")
+        assert torch.equal(own.logits, lean.logits)
 
 
 def test_a_forward_breaks_if_the_lean_path_differs(monkeypatch):

@@ -54,6 +54,10 @@ def test_profile_has_the_documented_keys(target):
     # the machine's way for the target's linears per row count, measured first, and the CPU it was measured on
     assert profile["cpu"] == profiling.cpu_model() and set(profile["kernels"]) == {"choice", "ms"}
     assert all(way in ("linear", "few rows", "packed") for way, _ in profile["kernels"]["choice"].values())
+    # the memory floor beside the costs: every linear's weight read once (the tied LM head counted once)
+    linears = {m.weight.data_ptr(): m.weight.numel() * 4 for m in target.modules() if isinstance(m, torch.nn.Linear)}
+    floor = profile["floor"]
+    assert floor["weight_bytes"] == sum(linears.values()) and floor["ms"] > 0 and floor["read_gb_per_s"] > 0
     json.dumps(profile)  # JSON-able as is
 
 
@@ -245,6 +249,7 @@ def test_cli_profile_writes_json_and_png(tmp_path, capsys, monkeypatch, png_arg)
     assert profile["target"]["vocab_size"] == 99
     printed = capsys.readouterr().out
     assert "steps/s" in printed and str(out) in printed
+    assert "memory floor:" in printed and "x floor" in printed  # each width beside the floor
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed: no PNG to check")
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

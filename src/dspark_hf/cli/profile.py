@@ -79,9 +79,19 @@ def _print_profile(profile: dict) -> None:
         for rows, (way, pad) in kernels["choice"].items():
             times = "  ".join(f"{w} {t[rows]:.1f}" for w, t in kernels["ms"].items() if rows in t)
             print(f"{rows:>4} {way:>8} {pad:>3}   {times}")
-    print(f"{'B':>4} {'measured ms':>12} {'padded ms':>10} {'steps/s':>9}")  # padded: cheapest width >= B
-    for tokens, sps in sorted(((int(b), v) for b, v in profile["sps"].items())):
-        key = str(tokens)
+    floor = profile.get("floor")
+    if floor:  # reading every weight once: what no step can beat
         print(
-            f"{tokens:>4} {profile['verify_ms_measured'][key]:>12.2f} {profile['verify_ms'][key]:>10.2f} {sps:>9.1f}"
+            f"memory floor: {floor['weight_bytes'] / 1e6:.0f} MB of weights at {floor['read_gb_per_s']:.1f} GB/s "
+            f"read = {floor['ms']:.2f} ms a step"
         )
+    rows = sorted((int(b), v) for b, v in profile["sps"].items())
+    one = profile["verify_ms_measured"][str(rows[0][0])]
+    # padded: the cheapest width >= B; x floor and x first: the measured ms over the floor and over the narrowest
+    header = f"{'B':>4} {'measured ms':>12} {'padded ms':>10} {'steps/s':>9}"
+    print(header + (f" {'x floor':>8}" if floor else "") + f" {f'x B={rows[0][0]}':>8}")
+    for tokens, sps in rows:
+        key = str(tokens)
+        measured = profile["verify_ms_measured"][key]
+        line = f"{tokens:>4} {measured:>12.2f} {profile['verify_ms'][key]:>10.2f} {sps:>9.1f}"
+        print(line + (f" {measured / floor['ms']:>8.2f}" if floor else "") + f" {measured / one:>8.2f}")

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
 from ..kernels.lean_forward import run_target
@@ -30,6 +29,7 @@ from ..kernels.verify_head import eligible_linears, version
 from ..kernels.verify_linears import KernelTable, kernel_choice
 from ..kernels.weights import per_token_activations, per_token_linears, quantization
 from ..utils.devices import model_device
+from .ragged_cache import AppendCache
 from .scheduler import SPS
 
 
@@ -121,6 +121,35 @@ def padded_costs(values: list[float]) -> list[float]:
     return out[::-1]
 
 
+def weight_bytes(target) -> int:
+    """Bytes of the weights one decoding step reads: every linear's weight (the LM head included), each storage
+    once. Quantized or wrapped weights count as their stored bytes."""
+    seen = {}
+    for module in target.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor):
+            storage = weight.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def memory_floor_ms(nbytes: int, device: torch.device, repeats: int = 7) -> tuple[float, float]:
+    """(the milliseconds a read of `nbytes` takes here, the read bandwidth in GB/s): a sum over a float32 tensor of
+    that size on `device`, the median of `repeats` after one untimed. What a step that reads each weight once
+    cannot beat: the memory floor that a forward's cost is compared with."""
+    big = torch.ones(max(nbytes // 4, 1), device=device)
+    big.sum()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        big.sum()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return seconds * 1000.0, nbytes / seconds / 1e9
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -185,7 +214,7 @@ def profile_target(
     bar = tqdm(total=len(batch_sizes) * (warmup + repeats), desc="profiling target", disable=not progress)
     try:
         for b in batch_sizes:
-            cache = DynamicCache(config=target.config)
+            cache = AppendCache()  # the cache decode rounds write in place (`ragged_cache`), not one copied per step
             target(input_ids=random_ids(b, context_len), use_cache=True, **{cache_arg: cache})
             times = {k: [] for k in lengths}
             # round robin over the lengths: a burst of load on the machine lands on every length alike instead of
@@ -231,6 +260,10 @@ def profile_target(
     }
     if device.type == "cpu":
         profile["cpu"] = cpu_model()
+    nbytes = weight_bytes(target)
+    if nbytes:  # what every verify is compared with: reading each weight once
+        floor_ms, bandwidth = memory_floor_ms(nbytes, device)
+        profile["floor"] = {"weight_bytes": nbytes, "ms": floor_ms, "read_gb_per_s": bandwidth}
     if table is not None:  # rows -> [way, rows padded to], and the milliseconds of each way's pass over the linears
         profile["kernels"] = table.to_json()
     if len(batch_sizes) > 1:

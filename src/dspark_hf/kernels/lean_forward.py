@@ -8,7 +8,9 @@ modules, in the same order, as the model's own `forward` does: embedding, `creat
 embedding, then per layer the input norm, q/k/v projections (and Qwen3's q/k norms), `apply_rotary_pos_emb`, the
 cache update, the attention function the config names, the output projection, the residual, the post-attention norm,
 the MLP and the residual, and last the final norm and the LM head. Only the wrappers around them are skipped, so the
-logits are bit-identical to the model's own forward in the same kernel scope (tests/test_lean_forward.py). The
+logits are bit-identical to the model's own forward in the same kernel scope (tests/test_lean_forward.py). Where they
+are transformers' own, the RMSNorms and the rotary embedding run inline, the same operators on the same values (a
+norm that is hooked, swapped or of another class is called as a module). The
 linears go through their modules (the verify kernels, quantized linears and their hooks act as before), except that
 inside a packed scope q/k/v and gate/up without hooks run as their group's one product
 (`verify_linears.fused_product`), which is what their modules would compute.
@@ -184,10 +186,14 @@ def forward(
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, modeling.eager_attention_forward)
     extra = {"sliding_window": None} if LAYERS[type(layers[0]).__name__] else {}
     fuse = only_capturing_hooks(_fused_modules(layers))  # siblings run as one product only if none has a hook
+    norm = _inline_norm if _plain_norms(base, layers, modeling) else _call
+    rotate = _inline_rotary if _plain_rotary(modeling) else None
+    if rotate is not None:  # (B, 1, W, hd): what `apply_rotary_pos_emb` broadcasts over the heads, made once
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         residual = hidden
-        x = layer.input_layernorm(hidden)
+        x = norm(layer.input_layernorm, hidden)
         shape = (*x.shape[:-1], -1, attn.head_dim)
         qkv = fused_product((attn.q_proj, attn.k_proj, attn.v_proj), x) if fuse else None
         if qkv is None:
@@ -195,15 +201,18 @@ def forward(
         else:
             q, k, v = (p.view(shape) for p in qkv.split(_widths(attn), dim=-1))
         if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = modeling.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = norm(attn.q_norm, q), norm(attn.k_norm, k)
+        if rotate is None:
+            q, k = modeling.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        else:
+            q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
         k, v = past.update(k, v.transpose(1, 2), attn.layer_idx)
         out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **extra)
         hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
-        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden), fuse)
+        hidden = hidden + _mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden), fuse)
         if i + 1 < len(layers):
             states.append(hidden if i + 1 in wanted else None)
-    hidden = base.norm(hidden)
+    hidden = norm(base.norm, hidden)
     states.append(hidden if len(layers) in wanted else None)
     return CausalLMOutputWithPast(
         logits=model.lm_head(hidden),
@@ -221,12 +230,65 @@ def _widths(attn: nn.Module) -> list[int]:
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor, fuse: bool) -> torch.Tensor:
-    """`mlp(x)` = down(act(gate(x)) * up(x)), gate and up as one packed product where they are one group."""
+    """`mlp(x)` = down(act(gate(x)) * up(x)), gate and up as one packed product where they are one group, else as
+    the MLP's own forward computes it (`fuse`: no hook on the MLP, so its forward may be run in its place)."""
     gate_up = fused_product((mlp.gate_proj, mlp.up_proj), x) if fuse else None
     if gate_up is None:
-        return mlp(x)
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)) if fuse else mlp(x)
     gate, up = gate_up.split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
     return mlp.down_proj(mlp.act_fn(gate.contiguous()) * up.contiguous())
+
+
+# -- the norms and the rotary embedding, inline where they are transformers' own ------------------------------------
+#
+# A decoding step of a 30-layer model calls 61 norms and 30 rotary embeddings. As modules and functions they cost
+# ~2-3 ms a step on 2 CPU threads each, beyond their arithmetic (benchmarks/time_compiled_step.py's study: each
+# piece of plumbing a few percent of a 1-token step). Inline, the same operators run in the same order on the same
+# values, so the logits stay bit-identical (tests/test_lean_forward.py).
+
+
+def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def _inline_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What the `*RMSNorm.forward` of Llama, Qwen2, Qwen3 and Mistral computes, operator for operator."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _plain_norms(base: nn.Module, layers, modeling) -> bool:
+    """Whether every norm the forward calls is the modeling module's own RMSNorm class, with its own forward and no
+    hook (checked every forward: a norm swapped, re-classed or hooked is called as a module)."""
+    cls = getattr(modeling, f"{type(layers[0]).__name__.removesuffix('DecoderLayer')}RMSNorm", None)
+    if cls is None or cls.forward.__qualname__ != f"{cls.__name__}.forward":
+        return False
+    norms = [base.norm]
+    for layer in layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        attn = layer.self_attn
+        if hasattr(attn, "q_norm"):
+            norms += [attn.q_norm, attn.k_norm]
+    return all(type(n) is cls for n in norms) and only_capturing_hooks(norms)
+
+
+def _inline_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, as `apply_rotary_pos_emb` computes it for each of q and k."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def _plain_rotary(modeling) -> bool:
+    """Whether the modeling module's `apply_rotary_pos_emb` is its own plain function (not one a kernel hub swapped
+    in): the one `_inline_rotary` computes."""
+    function = getattr(modeling, "apply_rotary_pos_emb", None)
+    return (
+        getattr(function, "__module__", None) == modeling.__name__
+        and getattr(function, "__wrapped__", None) is None
+        and getattr(modeling, "rotate_half", None) is not None
+    )
 
 
 def _fused_modules(layers) -> list[nn.Module]:
