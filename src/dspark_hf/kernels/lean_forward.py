@@ -32,6 +32,7 @@ import sys
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -185,7 +186,10 @@ def forward(
     states = [hidden if 0 in wanted else None]
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, modeling.eager_attention_forward)
     extra = {"sliding_window": None} if LAYERS[type(layers[0]).__name__] else {}
-    fuse = only_capturing_hooks(_fused_modules(layers))  # siblings run as one product only if none has a hook
+    # siblings run as one product, and plain linears as `F.linear`, only where none of them has a hook
+    fuse = only_capturing_hooks(_fused_modules(layers))
+    linear = _linear if fuse else _call
+    qk_norms = hasattr(layers[0].self_attn, "q_norm")  # (Qwen3) every layer is of the same class
     norm = _inline_norm if _plain_norms(base, layers, modeling) else _call
     rotate = _inline_rotary if _plain_rotary(modeling) else None
     if rotate is not None:  # (B, 1, W, hd): what `apply_rotary_pos_emb` broadcasts over the heads, made once
@@ -197,10 +201,10 @@ def forward(
         shape = (*x.shape[:-1], -1, attn.head_dim)
         qkv = fused_product((attn.q_proj, attn.k_proj, attn.v_proj), x) if fuse else None
         if qkv is None:
-            q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+            q, k, v = (linear(p, x).view(shape) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         else:
             q, k, v = (p.view(shape) for p in qkv.split(_widths(attn), dim=-1))
-        if hasattr(attn, "q_norm"):
+        if qk_norms:
             q, k = norm(attn.q_norm, q), norm(attn.k_norm, k)
         if rotate is None:
             q, k = modeling.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -208,7 +212,7 @@ def forward(
             q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
         k, v = past.update(k, v.transpose(1, 2), attn.layer_idx)
         out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **extra)
-        hidden = residual + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        hidden = residual + linear(attn.o_proj, out.reshape(*x.shape[:-1], -1).contiguous())
         hidden = hidden + _mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden), fuse)
         if i + 1 < len(layers):
             states.append(hidden if i + 1 in wanted else None)
@@ -232,11 +236,13 @@ def _widths(attn: nn.Module) -> list[int]:
 def _mlp(mlp: nn.Module, x: torch.Tensor, fuse: bool) -> torch.Tensor:
     """`mlp(x)` = down(act(gate(x)) * up(x)), gate and up as one packed product where they are one group, else as
     the MLP's own forward computes it (`fuse`: no hook on the MLP, so its forward may be run in its place)."""
-    gate_up = fused_product((mlp.gate_proj, mlp.up_proj), x) if fuse else None
+    if not fuse:
+        return mlp(x)
+    gate_up = fused_product((mlp.gate_proj, mlp.up_proj), x)
     if gate_up is None:
-        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)) if fuse else mlp(x)
+        return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
     gate, up = gate_up.split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
-    return mlp.down_proj(mlp.act_fn(gate.contiguous()) * up.contiguous())
+    return _linear(mlp.down_proj, mlp.act_fn(gate.contiguous()) * up.contiguous())
 
 
 # -- the norms and the rotary embedding, inline where they are transformers' own ------------------------------------
@@ -292,12 +298,20 @@ def _plain_rotary(modeling) -> bool:
 
 
 def _fused_modules(layers) -> list[nn.Module]:
-    """The modules a fused product skips calling: q/k/v, the MLP and its gate/up, in every layer."""
+    """The modules a fused product or `_linear` skips calling: every projection and the MLP, in every layer."""
     out = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        out += [attn.q_proj, attn.k_proj, attn.v_proj, mlp, mlp.gate_proj, mlp.up_proj]
+        out += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     return out
+
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a module without hooks: `F.linear` itself for a plain `nn.Linear` (what its forward runs), the
+    module's forward for any other (a verify kernel's class inside a scope, a quantized linear)."""
+    if type(module) is nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module.forward(x)
 
 
 def _wanted(output_hidden_states: bool | list[int], count: int) -> set[int]:
