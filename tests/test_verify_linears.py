@@ -204,3 +204,38 @@ def test_retries_back_off_while_the_other_ways_stay_slower_and_return_when_one_c
     ways += verifies(choice, cost, 40)
     retries = [i for i, way in enumerate(ways) if way == "linear" and i >= 60]
     assert retries == [75, 79, 83, 87, 91, 95, 99]  # the retry at 75 found it close: every 4th again
+
+
+@pytest.mark.parametrize("force", [None, "packed"])
+def test_two_threads_decoding_on_one_target_each_get_plain_greedy(monkeypatch, force):
+    """Two threads, each with its own drafter, speculating on one target at once: the kernel scopes they enter on the
+    shared target's linears (the measured way, or packed every time) must not mix one thread's products into the
+    other's, so each output is the target's own greedy one."""
+    import threading
+
+    monkeypatch.setattr(verify_linears, "FORCE", force)
+    target = make_target(vocab_size=99, num_layers=4).eval()
+    drafters = [make_drafter(target, seed=s) for s in (1, 2)]
+    prompts = [torch.randint(0, 99, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+
+    def generate(i, **kwargs):
+        mask = torch.ones_like(prompts[i])
+        return target.generate(prompts[i], attention_mask=mask, max_new_tokens=24, do_sample=False, **kwargs).tolist()
+
+    plain = [generate(i) for i in range(2)]
+    outputs, errors = [[], []], []
+
+    def decode(i):
+        try:
+            for _ in range(3):
+                outputs[i].append(generate(i, assistant_model=drafters[i]))
+        except Exception as e:  # reported below: an exception in a thread would otherwise pass unseen
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert outputs == [[plain[0]] * 3, [plain[1]] * 3]
