@@ -217,6 +217,12 @@ def test_held_out_trees_are_the_trees_decoding_grows():
     calibrated_trees = grow_block_trees(drafter, lm_head, hidden, anchors, budget=5, fit=fit)
     first = apply_tree_calibration(probs[:, :1, :1], fit)[:, 0, 0]
     assert [t.scores[0] for t in calibrated_trees] == pytest.approx(first.tolist(), rel=1e-4)
+    # a fit that prices every rank-2 child far above its rank-1 sibling: the first node is the anchor's rank-2
+    # child, and with room for one more node its best child by estimate (its rank-2 one) joins, not its first by rank
+    second = [[[1.0, -5.0], [1.0, 5.0]]] * 3
+    (two,) = grow_block_trees(drafter, lm_head, hidden[:1], anchors[:1], budget=2, fit=second)
+    assert two.scores[0] == pytest.approx(calibrated([float(probs[0, 0, 0]), float(probs[0, 0, 1])], 1, second)[1])
+    assert two.depths == [1, 2] and two.scores[1] > 0.5 * two.scores[0]
 
 
 def test_calibrate_cli_fits_and_reports_tree_estimates(tmp_path, capsys):

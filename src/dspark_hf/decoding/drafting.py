@@ -283,11 +283,12 @@ def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=Non
     out = []
     for i, (tokens, p, ok) in enumerate(zip(top.indices.tolist(), probs.tolist(), finite.tolist())):
         kept = [(t, q) for t, q, o in zip(tokens, p, ok) if o]
-        estimates = [q for _, q in kept]
         if fit is not None and (entry_rows is None or not entry_rows[i].do_sample):
-            estimates = calibrated(estimates, levels[i] + 1, fit)  # its children sit at depth levels[i] + 1
+            estimates = calibrated([q for _, q in kept], levels[i] + 1, fit)  # the children sit at depth levels[i] + 1
+            # best estimate first: where fewer nodes than children are left, `grow_trees` keeps the first ones
+            kept = sorted(zip([t for t, _ in kept], estimates), key=lambda child: -child[1])
         child_state = None if next_state is None else next_state[i]
-        out.append(([t for t, _ in kept], estimates, child_state))
+        out.append(([t for t, _ in kept], [q for _, q in kept], child_state))
     return out
 
 
