@@ -153,8 +153,51 @@ def test_padded_baseline_switch():
         assert result["padded_baseline"] is False and run["speedup_vs_padded"] is None
         assert baseline["tokens_per_second_padded"] is None and "seconds_padded" not in baseline["per_prompt"][0]
         assert format_evaluation(result).splitlines()[1].split()[-2:] == [f"{run['speedup']:.2f}x", "-"]
-    with pytest.raises(ValueError, match="reserved|labels the padded"):
+    with pytest.raises(ValueError, match="labels a plain baseline"):
         run_evaluation(target, tok, {evaluation.PADDED: drafter}, {"x": records}, 6, progress=False)
+
+
+def _compiled_run(monkeypatch, records):
+    """run_evaluation with the compiled baseline, each generate()'s settings and static cache size recorded."""
+    seen = []
+    settings = evaluation.compiled_settings
+
+    def spy(target, slots):
+        seen.append(slots)
+        out = settings(target, slots)
+        assert out["compile_config"]._compile_all_devices  # compiled on the CPU too
+        return out
+
+    monkeypatch.setattr(evaluation, "compiled_settings", spy)
+    target = make_target()
+    result = run_evaluation(target, char_tokenizer(99), {"d": make_drafter(target)}, {"x": records}, 6,
+                            progress=False, compiled_baseline=True)  # fmt: skip
+    return result, seen
+
+
+def test_compiled_baseline_times_transformers_static_cache_decoding(monkeypatch):
+    """`compiled_baseline=True` decodes each prompt once more by transformers' static-cache decoding, through one
+    cache size for the run, and reports its rate, its identity with plain greedy and each drafter's speedup over it.
+    (Compiling itself is switched off here, the plumbing is what is tested; the slow suite compiles.)"""
+    monkeypatch.setattr(torch, "compile", lambda function, **kwargs: function)
+    records = [{"prompt": "compile"}, {"prompt": "a somewhat longer prompt"}]
+    result, seen = _compiled_run(monkeypatch, records)
+    (run,), (baseline,) = result["runs"], result["baselines"]
+    assert result["compiled_baseline"] and len(seen) == 1 + len(records)  # the warm-up, then each prompt
+    assert len(set(seen)) == 1 and seen[0] % 256 == 0  # one static cache size for the whole run
+    assert baseline["compiled_identical"] is True and baseline["tokens_per_second_compiled"] > 0
+    assert all("seconds_compiled" in row for row in baseline["per_prompt"])
+    assert run["speedup_vs_compiled"] == pytest.approx(run["tokens_per_second"] / run["tokens_per_second_compiled"])
+    assert "compiled plain (transformers, static cache)" in format_evaluation(result)
+    with pytest.raises(ValueError, match="labels a plain baseline"):
+        run_evaluation(make_target(), char_tokenizer(99), {evaluation.COMPILED: make_drafter(make_target())},
+                       {"x": records}, 6, progress=False)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_compiled_baseline_compiles_and_keeps_plain_greedy(monkeypatch):
+    result, _ = _compiled_run(monkeypatch, [{"prompt": "compile"}])
+    assert result["baselines"][0]["compiled_identical"] is True
 
 
 def test_identity_check_reports_an_injected_mismatch(monkeypatch):

@@ -42,6 +42,12 @@ def add_parser(subparsers):
         help="also time plain decoding through the verify kernels, the kernel-neutral baseline (speedup_vs_padded); "
         "default: on where the target's verifies can use them (float32 on the CPU)",
     )
+    bench.add_argument(
+        "--compiled-baseline",
+        action="store_true",
+        help="also time transformers' compiled static-cache plain decoding (speedup_vs_compiled); compiles once, "
+        "about a minute on 2 CPU cores",
+    )
     bench.add_argument("--out", help="folder for evaluation.json and the PNG plots")
     bench.add_argument("--json", help="write the full result JSON here")
     add_model_args(bench, many_drafters=True)
@@ -105,6 +111,7 @@ def run(args) -> int:
         padded_baseline=False if context_lengths and args.padded_baseline is None else args.padded_baseline,
         tree_budgets=budgets,
         verify_policy=args.verify_policy,
+        compiled_baseline=args.compiled_baseline,
     )
     result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
     for name, path in files.items():

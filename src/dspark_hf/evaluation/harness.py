@@ -16,6 +16,12 @@ machine (`verify_linears.measured_steps`: what a gated plain round costs; the JS
 the faster of the two. Its steps run transformers' own forward; a round's skips the per-layer wrappers
 (`kernels.lean_forward`), a saving the baseline does not get.
 
+The compiled baseline (`compiled_baseline=True`, `dspark-hf bench --compiled-baseline`): each prompt is also decoded
+plainly by transformers' own compiled decoding, a static cache of one size for the whole run (the longest prompt
+plus `max_new_tokens`, rounded up) and the decoding step compiled by inductor (`dynamic=False`), as a user who
+compiles would run it; every run then reports `speedup_vs_compiled`. The compile runs once, in the warm-up (about a
+minute for SmolLM2-135M on 2 CPU cores; inductor keeps its kernels on disk for the next process).
+
 Draft latency against block length: each drafter proposes exactly L drafts per round (`fixed_draft_length`) on one
 prompt for every L, timed in real decoding rounds the same way for all: an autoregressive drafter pays one forward
 per draft, a DSpark drafter one block pass plus its sequential head. Drafters without such a setting fall back to
@@ -29,12 +35,14 @@ and assistants (`inputs.py`); this module runs the decodes.
 """
 
 import contextlib
+import inspect
 import statistics
 import time
 from collections import defaultdict
 
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from ..decoding.stats import record_draft_rounds
 from ..kernels import verify_head, verify_linears
@@ -46,7 +54,10 @@ from .rounds import FirstTokenClock, RoundLog, observe_assistant, round_breakdow
 
 
 PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain steps through the verify kernels)
+COMPILED = "compiled plain"  # the mode label of transformers' compiled static-cache plain decoding
 WARMUP_TOKENS = 256  # the warm-up decodes this much of the first prompt
+
+logger = logging.get_logger(__name__)
 
 
 def generation_kwargs(temperature: float) -> dict:
@@ -63,10 +74,13 @@ def _policy(assistant, verify_policy: str | None) -> dict:
     return {"verify_policy": verify_policy}
 
 
-def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=False, verify_policy=None):
+def _decode(
+    target, ids, max_new_tokens, assistant, temperature, seed, padded=False, verify_policy=None, compiled=None
+):
     """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`);
     `padded`: plain decoding with the verify kernels' one-token steps (`verify_linears.measured_steps`, the linears
-    the way measured on this machine, as a decode loop's plain round runs them)."""
+    the way measured on this machine, as a decode loop's plain round runs them); `compiled`: plain decoding by
+    transformers' compiled static-cache decoding over a fresh cache of that many slots (`compiled_settings`)."""
     if temperature:
         torch.manual_seed(seed)
     if hasattr(assistant, "generation_stats"):
@@ -75,6 +89,8 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     clock = FirstTokenClock() if assistant is None else None  # a plain run's own prefill, for the decoding phase
     settings = generation_kwargs(temperature) | ({"streamer": clock} if clock is not None else {})
     settings |= _policy(assistant, verify_policy)
+    if compiled:
+        settings |= compiled_settings(target, compiled)
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
         called = time.perf_counter()
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **settings)
@@ -92,6 +108,25 @@ def _decode(target, ids, max_new_tokens, assistant, temperature, seed, padded=Fa
     elif clock is not None and clock.first is not None:
         log.prefill_seconds = clock.first - called
     return out.cpu(), seconds, stats, log
+
+
+def compiled_settings(target, slots: int) -> dict:
+    """generate() settings for transformers' compiled plain decoding: a fresh `StaticCache` of `slots` slots (one size
+    for every prompt, so the decoding step compiles once) and a compile config that holds on the CPU too."""
+    from transformers import StaticCache
+
+    from ..utils.compat import compile_everywhere
+
+    forward = inspect.signature(target.forward).parameters
+    cache_arg = "cache" if "cache" in forward else "past_key_values"  # transformers 5.24 renamed it
+    cache = StaticCache(config=target.config, max_cache_len=slots)
+    return {cache_arg: cache, "compile_config": compile_everywhere(dynamic=False, fullgraph=True)}
+
+
+def compiled_slots(prompts, max_new_tokens: int, multiple: int = 256) -> int:
+    """The static cache's size for a run: the longest prompt plus `max_new_tokens`, rounded up to `multiple`."""
+    longest = max(ids.shape[1] for ids in prompts)
+    return -(-(longest + max_new_tokens) // multiple) * multiple
 
 
 @contextlib.contextmanager
@@ -243,6 +278,7 @@ def run_evaluation(
     padded_baseline: bool | None = None,
     tree_budgets=(),
     verify_policy: str | None = None,
+    compiled_baseline: bool = False,
 ) -> dict:
     """Plain decoding vs every drafter on every dataset at every temperature, plus the draft-latency sweep.
 
@@ -252,7 +288,8 @@ def run_evaluation(
     dataset × temperature × drafter, see `_run_entry`), `baselines` (plain decoding per dataset × temperature),
     `latency` ({label: `measure_latency`}), `padded_baseline` and `all_identical` (T = 0 runs). `tree_budgets`:
     each DSpark drafter once per budget (`tree_variants`); the latency sweep then covers the chains only.
-    `verify_policy`: passed to every DSpark drafter's `generate()` (None: each drafter's own).
+    `verify_policy`: passed to every DSpark drafter's `generate()` (None: each drafter's own). `compiled_baseline`:
+    also decode plainly by transformers' compiled static-cache decoding (see the module docstring).
     """
     if not drafters:
         raise ValueError("run_evaluation needs at least one drafter: {label: assistant model}.")
@@ -262,8 +299,9 @@ def run_evaluation(
     temperatures = [float(t) for t in temperatures]
     if any(t < 0 for t in temperatures):
         raise ValueError(f"Temperatures must be >= 0 (0 = greedy), got {temperatures}.")
-    if PADDED in drafters:
-        raise ValueError(f"{PADDED!r} labels the padded plain baseline; give that drafter another label.")
+    for baseline in (PADDED, COMPILED):
+        if baseline in drafters:
+            raise ValueError(f"{baseline!r} labels a plain baseline; give that drafter another label.")
     if padded_baseline is None:
         padded_baseline = verify_head.version(target) > 0
     encoded = {name: [encode(tokenizer, r) for r in records] for name, records in datasets.items()}
@@ -276,6 +314,14 @@ def run_evaluation(
     if padded_baseline:
         _decode(target, warm, 4, None, 0.0, 0, padded=True)
         modes.insert(1, PADDED)
+    slots = None
+    if compiled_baseline:
+        slots = compiled_slots([ids for prompts in encoded.values() for ids in prompts] + [warm], max_new_tokens)
+        logger.info("Compiling transformers' static-cache plain decoding for the compiled baseline (once per run) ...")
+        start = time.perf_counter()
+        _decode(target, warm, 4, None, 0.0, 0, compiled=slots)
+        logger.info(f"... compiled in {time.perf_counter() - start:.0f} s")
+        modes.insert(1, COMPILED)
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
     for name, prompts in encoded.items():
         for temperature in temperatures:
@@ -284,7 +330,7 @@ def run_evaluation(
             for i, ids in enumerate(bar):
                 shift = i % len(modes)
                 for mode in modes[shift:] + modes[:shift]:
-                    assistant = drafters.get(mode)  # None for both plain modes
+                    assistant = drafters.get(mode)  # None for the plain modes
                     with tree_budget(assistant, budgets.get(mode)):
                         run = _decode(
                             target,
@@ -295,13 +341,16 @@ def run_evaluation(
                             seed + i,
                             mode == PADDED,
                             verify_policy,
+                            slots if mode == COMPILED else None,
                         )
                     decoded[mode].append(run)
                 bar.set_postfix({label: f"τ {decoded[label][-1][2].acceptance_length:.2f}" for label in drafters})
-            padded = decoded.get(PADDED)
-            baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded))
+            padded, compiled = decoded.get(PADDED), decoded.get(COMPILED)
+            baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded, compiled))
             for label in drafters:
-                runs.append(_run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded))
+                runs.append(
+                    _run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded, compiled)
+                )
                 runs[-1]["tree_budget"] = budgets[label]
                 if temperature == 0:
                     greedy_rounds[label] += [d[3] for d in decoded[label]]
@@ -332,6 +381,7 @@ def run_evaluation(
         "datasets": {name: {"num_prompts": len(p)} for name, p in encoded.items()},
         "all_identical": all(r["all_identical"] for r in greedy) if greedy else None,
         "padded_baseline": bool(padded_baseline),
+        "compiled_baseline": bool(compiled_baseline),
         "runs": runs,
         "baselines": baselines,
         "latency": latency,
@@ -374,6 +424,7 @@ def timed_generate(target, input_ids, max_new_tokens, drafter=None, **generate_k
 
 __all__ = [
     "FirstTokenClock",
+    "COMPILED",
     "PADDED",
     "RoundLog",
     "describe_assistant",

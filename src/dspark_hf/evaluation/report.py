@@ -43,8 +43,9 @@ def _decode_phase(decoded, prefills) -> tuple[int, float]:
     return tokens, sum(max(d[1] - p, 0.0) for d, p in zip(decoded, prefills))
 
 
-def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None) -> dict:
-    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes."""
+def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None, compiled=None) -> dict:
+    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes;
+    `compiled`: transformers' compiled static-cache plain decoding's."""
     stats = [s for _, _, s, _ in decoded]
     pooled = _pool(stats)
     tokens, seconds = _totals(decoded)
@@ -79,6 +80,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
     reached, accepted = pooled.position_counts()
     tps, plain_tps = _rate(tokens, seconds), _rate(*_totals(plain))
     padded_tps = _rate(*_totals(padded)) if padded else None
+    compiled_tps = _rate(*_totals(compiled)) if compiled else None
     return {
         "dataset": dataset,
         "temperature": temperature,
@@ -106,6 +108,8 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "tokens_per_second_padded": padded_tps,
         # the kernel-neutral baseline: the faster of plain and plain with the measured kernels (`measured_steps`)
         "speedup_vs_padded": tps / max(padded_tps, plain_tps) if padded_tps else None,
+        "tokens_per_second_compiled": compiled_tps,
+        "speedup_vs_compiled": tps / compiled_tps if compiled_tps else None,
         "draft_ms_per_round": statistics.fmean(draft_ms) if draft_ms else None,
         "draft_ms_per_round_median": statistics.median(draft_ms) if draft_ms else None,
         "draft_fraction": sum(draft_ms) / 1e3 / seconds if seconds else 0.0,
@@ -139,11 +143,13 @@ def _decode_phase_entry(decoded, plain) -> dict:
     }
 
 
-def _baseline_entry(dataset, temperature, prompts, plain, padded=None) -> dict:
-    """Plain decoding on one dataset × temperature, and the padded (kernel-neutral) baseline where it ran.
+def _baseline_entry(dataset, temperature, prompts, plain, padded=None, compiled=None) -> dict:
+    """Plain decoding on one dataset × temperature, and the padded (kernel-neutral) and compiled baselines where they
+    ran.
 
     `padded_identical` (T = 0): whether 2-row steps gave plain greedy's tokens; the products agree to float rounding,
     so a difference is possible in principle but makes only the timing less comparable, never a drafter's output.
+    `compiled_identical` the same for transformers' compiled decoding (its fused kernels round differently).
     """
     per_prompt = [
         {"index": i, "prompt_tokens": ids.shape[1], "new_tokens": out.numel(), "seconds": secs}
@@ -155,6 +161,12 @@ def _baseline_entry(dataset, temperature, prompts, plain, padded=None) -> dict:
             row["seconds_padded"] = secs
         if temperature == 0:
             padded_identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, padded))
+    compiled_identical = None
+    if compiled:
+        for row, (_, secs, _, _) in zip(per_prompt, compiled):
+            row["seconds_compiled"] = secs
+        if temperature == 0:
+            compiled_identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, compiled))
     tokens, seconds = _totals(plain)
     return {
         "dataset": dataset,
@@ -165,6 +177,8 @@ def _baseline_entry(dataset, temperature, prompts, plain, padded=None) -> dict:
         "tokens_per_second": _rate(tokens, seconds),
         "tokens_per_second_padded": _rate(*_totals(padded)) if padded else None,
         "padded_identical": padded_identical,
+        "tokens_per_second_compiled": _rate(*_totals(compiled)) if compiled else None,
+        "compiled_identical": compiled_identical,
         "per_prompt": per_prompt,
     }
 
@@ -223,6 +237,19 @@ def format_evaluation(result: dict) -> str:
             lines.append(
                 f"padded plain (verify kernels, no drafts)  {b['dataset']} / T={b['temperature']:g}: {rate:.1f} tok/s "
                 f"= {rate / b['tokens_per_second']:.2f}x of plain{same}"
+            )
+        if b.get("tokens_per_second_compiled") is not None:
+            same = "" if b["compiled_identical"] is None else f", same tokens as plain: {b['compiled_identical']}"
+            rate = b["tokens_per_second_compiled"]
+            lines.append(
+                f"compiled plain (transformers, static cache)  {b['dataset']} / T={b['temperature']:g}: "
+                f"{rate:.1f} tok/s = {rate / b['tokens_per_second']:.2f}x of plain{same}"
+            )
+    for r in result["runs"]:
+        if r.get("speedup_vs_compiled") is not None:
+            lines.append(
+                f"against compiled plain  {r['dataset']} / {r['drafter']} / T={r['temperature']:g}: "
+                f"{r['speedup_vs_compiled']:.2f}x"
             )
     for label, lat in result.get("latency", {}).items():
         cells = ", ".join(

@@ -90,10 +90,28 @@ PRIVATE_API = (
         "transformers.utils.output_capturing",
         "kernels.lean_forward, compat.only_capturing_hooks",
         "a round's target forward without the per-layer wrappers (~2 ms of a 36–40 ms forward of SmolLM2, 2 cores), "
-        "bit-identical logits checked by tests/test_lean_forward.py on this version",
+        "bit-identical logits checked by tests/test_lean_forward.py on this version; the RMSNorm classes' own "
+        "forward (`<Family>RMSNorm.forward`, inlined where it is the class's own)",
+        ("5.25",),
+    ),
+    PrivateName(
+        "CompileConfig._compile_all_devices (set after construction): generate() compiles a static cache's decoding "
+        "step on the CPU too",
+        "compat.compile_everywhere, evaluation.harness (the compiled plain baseline)",
+        "`dspark-hf bench --compiled-baseline` times transformers' compiled static-cache plain decoding on a CPU, "
+        "which generate() otherwise compiles only on accelerators",
         ("5.25",),
     ),
 )
+
+
+def compile_everywhere(**kwargs):
+    """transformers' `CompileConfig(**kwargs)`, set to compile on any device (see `PRIVATE_API`)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(**kwargs)
+    config._compile_all_devices = True
+    return config
 
 
 def selects_hidden_states(model) -> bool:
