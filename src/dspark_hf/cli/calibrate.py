@@ -93,7 +93,7 @@ def run(args) -> int:
     fit = fit_tree_calibration(probs, hits, reach)
     report["tree"] = tree_calibration_report(probs, hits, reach, fit)
     report["tree"]["depth"] = tree_depth_check(
-        drafter, lm_head, hidden, anchors, tokens, fit, budget, probs=(probs, hits, reach)
+        drafter, lm_head, hidden, anchors, tokens, fit, budget, data=(probs, hits, reach)
     )
     write_calibrated_copy(drafter_path, out, temps, report, overwrite=args.overwrite, tree_calibration=fit)
     shipped_ece, fitted_ece = (sum(report[k]["ece"]) / len(temps) for k in ("shipped", "cross_fitted"))

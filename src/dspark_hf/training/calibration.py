@@ -283,17 +283,16 @@ def apply_tree_calibration(probs: torch.Tensor, fit) -> torch.Tensor:
     return torch.sigmoid(pairs[..., 0] * prob_logits(probs) + pairs[..., 1])
 
 
-def _tree_ece(probs, hits, reach, fit, bins: int) -> list[list[float | None]]:
-    """ECE per depth and rank of the (calibrated) estimates, over the blocks reaching each depth."""
-    estimates = apply_tree_calibration(probs, fit)
+def _ece_by_depth_and_rank(estimates, hits, reach, bins: int) -> list[list[float | None]]:
+    """ECE per depth and rank of estimates (N, γ, R) against hits, over the blocks reaching each depth."""
     out = []
-    for k in range(probs.shape[1]):
+    for k in range(estimates.shape[1]):
         sel = reach[:, k]
         out.append(
             [
                 expected_calibration_error(estimates[sel, k, j], hits[sel, k, j], bins) if sel.any() else None
-                for j in range(probs.shape[2])
-            ]  # fmt: skip
+                for j in range(estimates.shape[2])
+            ]
         )
     return out
 
@@ -312,15 +311,6 @@ def tree_calibration_report(probs, hits, reach, fit, bins: int = 20) -> dict:
             cross[part] = apply_tree_calibration(
                 probs[part], fit_tree_calibration(probs[rest], hits[rest], reach[rest])
             )
-    cross_ece = []
-    for k in range(probs.shape[1]):
-        sel = reach[:, k]
-        cross_ece.append(
-            [
-                expected_calibration_error(cross[sel, k, j], hits[sel, k, j], bins) if sel.any() else None
-                for j in range(probs.shape[2])
-            ]  # fmt: skip
-        )
     counts = reach.sum(0).tolist()
     return {
         "ranks": int(probs.shape[2]),
@@ -329,9 +319,9 @@ def tree_calibration_report(probs, hits, reach, fit, bins: int = 20) -> dict:
             [float(hits[reach[:, k], k, j].float().mean()) if counts[k] else None for j in range(probs.shape[2])]
             for k in range(probs.shape[1])
         ],
-        "ece_before": _tree_ece(probs, hits, reach, None, bins),
-        "ece_after": _tree_ece(probs, hits, reach, fit, bins),
-        "ece_cross_fitted": cross_ece,
+        "ece_before": _ece_by_depth_and_rank(apply_tree_calibration(probs, None), hits, reach, bins),
+        "ece_after": _ece_by_depth_and_rank(apply_tree_calibration(probs, fit), hits, reach, bins),
+        "ece_cross_fitted": _ece_by_depth_and_rank(cross, hits, reach, bins),
         "fit": fit,
     }
 
@@ -367,22 +357,24 @@ def grow_block_trees(drafter, lm_head, hidden, anchors, budget: int = TREE_BUDGE
     return trees
 
 
-def tree_depth_check(drafter, lm_head, hidden, anchors, tokens, fit, budget: int = TREE_BUDGET, probs=None) -> dict:
+def tree_depth_check(drafter, lm_head, hidden, anchors, tokens, fit, budget: int = TREE_BUDGET, data=None) -> dict:
     """Predicted against measured accepted depth of every held-out block's tree with all its nodes verified,
     raw and calibrated: predicted = the mean sum of the nodes' path estimates, measured = the mean depth the target's
-    tokens accept (± its standard error). The calibrated trees are cross-fitted: each half of the blocks under a fit
-    on the other half (`probs`: `tree_fit_data`'s (probs, hits, reach) to fit from; None: `fit` as given)."""
+    tokens accept (± its standard error). With `data`, `tree_fit_data`'s (probs, hits, reach) of the same blocks,
+    the calibrated trees are cross-fitted (each half of the blocks under a fit on the other half); else under `fit`."""
     n = hidden.shape[0]
-    parts = [(torch.arange(n), None, None)]
-    if probs is not None and n >= MIN_BLOCKS:
-        p, h, r = probs
-        parts = [(part, fit_tree_calibration(p[rest], h[rest], r[rest]), None)
-                 for part, rest in zip(_halves(n), reversed(_halves(n)))]  # fmt: skip
+    parts = [(torch.arange(n), fit)]
+    if data is not None and n >= MIN_BLOCKS:
+        probs, hits, reach = data
+        parts = [
+            (part, fit_tree_calibration(probs[rest], hits[rest], reach[rest]))
+            for part, rest in zip(_halves(n), reversed(_halves(n)))
+        ]
     out = {"budget": budget, "blocks": n}
     for name in ("raw", "calibrated"):
         predicted, measured = [], []
-        for part, part_fit, _ in parts:
-            use = None if name == "raw" else (fit if part_fit is None else part_fit)
+        for part, part_fit in parts:
+            use = None if name == "raw" else part_fit
             trees = grow_block_trees(drafter, lm_head, hidden[part], anchors[part], budget, use)
             predicted += [sum(tree.scores) for tree in trees]
             measured += [accepted_depth(tree, want) for tree, want in zip(trees, tokens[part].tolist())]
