@@ -183,8 +183,7 @@ def test_compiled_baseline_times_transformers_static_cache_decoding(monkeypatch)
     records = [{"prompt": "compile"}, {"prompt": "a somewhat longer prompt"}]
     result, seen = _compiled_run(monkeypatch, records)
     (run,), (baseline,) = result["runs"], result["baselines"]
-    assert result["compiled_baseline"] and len(seen) == 1 + len(records)  # the warm-up, then each prompt
-    assert len(set(seen)) == 1 and seen[0] % 256 == 0  # one static cache size for the whole run
+    assert result["compiled_baseline"] and len(seen) == 1 and seen[0] % 256 == 0  # one static cache for the run
     assert baseline["compiled_identical"] is True and baseline["tokens_per_second_compiled"] > 0
     assert all("seconds_compiled" in row for row in baseline["per_prompt"])
     assert run["speedup_vs_compiled"] == pytest.approx(run["tokens_per_second"] / run["tokens_per_second_compiled"])

@@ -80,7 +80,7 @@ def _decode(
     """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`);
     `padded`: plain decoding with the verify kernels' one-token steps (`verify_linears.measured_steps`, the linears
     the way measured on this machine, as a decode loop's plain round runs them); `compiled`: plain decoding by
-    transformers' compiled static-cache decoding over a fresh cache of that many slots (`compiled_settings`)."""
+    transformers' compiled static-cache decoding with these settings (`compiled_settings`; its cache is reset)."""
     if temperature:
         torch.manual_seed(seed)
     if hasattr(assistant, "generation_stats"):
@@ -90,7 +90,8 @@ def _decode(
     settings = generation_kwargs(temperature) | ({"streamer": clock} if clock is not None else {})
     settings |= _policy(assistant, verify_policy)
     if compiled:
-        settings |= compiled_settings(target, compiled)
+        next(v for v in compiled.values() if hasattr(v, "reset")).reset()  # the run's one static cache, emptied
+        settings |= compiled
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
         called = time.perf_counter()
         out, seconds = timed_generate(target, ids, max_new_tokens, assistant, **settings)
@@ -111,8 +112,10 @@ def _decode(
 
 
 def compiled_settings(target, slots: int) -> dict:
-    """generate() settings for transformers' compiled plain decoding: a fresh `StaticCache` of `slots` slots (one size
-    for every prompt, so the decoding step compiles once) and a compile config that holds on the CPU too."""
+    """generate() settings for transformers' compiled plain decoding, made once a run: a `StaticCache` of `slots`
+    slots (one size for every prompt, reset before each call) and a compile config that holds on the CPU too. The
+    same cache and config every call: transformers compiles again for another config object, and dynamo for another
+    cache."""
     from transformers import StaticCache
 
     from ..utils.compat import compile_everywhere
@@ -317,6 +320,7 @@ def run_evaluation(
     slots = None
     if compiled_baseline:
         slots = compiled_slots([ids for prompts in encoded.values() for ids in prompts] + [warm], max_new_tokens)
+        slots = compiled_settings(target, slots)
         logger.info("Compiling transformers' static-cache plain decoding for the compiled baseline (once per run) ...")
         start = time.perf_counter()
         _decode(target, warm, 4, None, 0.0, 0, compiled=slots)

@@ -155,30 +155,26 @@ def _baseline_entry(dataset, temperature, prompts, plain, padded=None, compiled=
         {"index": i, "prompt_tokens": ids.shape[1], "new_tokens": out.numel(), "seconds": secs}
         for i, ((out, secs, _, _), ids) in enumerate(zip(plain, prompts))
     ]
-    padded_identical = None
-    if padded:
-        for row, (_, secs, _, _) in zip(per_prompt, padded):
-            row["seconds_padded"] = secs
-        if temperature == 0:
-            padded_identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, padded))
-    compiled_identical = None
-    if compiled:
-        for row, (_, secs, _, _) in zip(per_prompt, compiled):
-            row["seconds_compiled"] = secs
-        if temperature == 0:
-            compiled_identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, compiled))
     tokens, seconds = _totals(plain)
-    return {
+    entry = {
         "dataset": dataset,
         "temperature": temperature,
         "num_prompts": len(plain),
         "new_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": _rate(tokens, seconds),
-        "tokens_per_second_padded": _rate(*_totals(padded)) if padded else None,
-        "padded_identical": padded_identical,
-        "tokens_per_second_compiled": _rate(*_totals(compiled)) if compiled else None,
-        "compiled_identical": compiled_identical,
+    }
+    for name, decoded in (("padded", padded), ("compiled", compiled)):
+        identical = None
+        if decoded:
+            for row, (_, secs, _, _) in zip(per_prompt, decoded):
+                row[f"seconds_{name}"] = secs
+            if temperature == 0:
+                identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, decoded))
+        entry[f"tokens_per_second_{name}"] = _rate(*_totals(decoded)) if decoded else None
+        entry[f"{name}_identical"] = identical
+    return {
+        **entry,
         "per_prompt": per_prompt,
     }
 
