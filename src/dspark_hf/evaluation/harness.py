@@ -17,10 +17,11 @@ the faster of the two. Its steps run transformers' own forward; a round's skips 
 (`kernels.lean_forward`), a saving the baseline does not get.
 
 The compiled baseline (`compiled_baseline=True`, `dspark-hf bench --compiled-baseline`): each prompt is also decoded
-plainly by transformers' own compiled decoding, a static cache of one size for the whole run (the longest prompt
-plus `max_new_tokens`, rounded up) and the decoding step compiled by inductor (`dynamic=False`), as a user who
-compiles would run it; every run then reports `speedup_vs_compiled`. The compile runs once, in the warm-up (about a
-minute for SmolLM2-135M on 2 CPU cores; inductor keeps its kernels on disk for the next process).
+plainly by transformers' own compiled decoding, a static cache sized for the prompt (its length plus
+`max_new_tokens`, rounded up to a power of two from 256: a short prompt does not attend over a long prompt's slots)
+and the decoding step compiled by inductor (`dynamic=False`), as a user who compiles would run it; every run then
+reports `speedup_vs_compiled`. Each cache size compiles once, in the warm-up (about a minute for SmolLM2-135M on 2
+CPU cores; inductor keeps its kernels on disk for the next process).
 
 Draft latency against block length: each drafter proposes exactly L drafts per round (`fixed_draft_length`) on one
 prompt for every L, timed in real decoding rounds the same way for all: an autoregressive drafter pays one forward
@@ -126,10 +127,13 @@ def compiled_settings(target, slots: int) -> dict:
     return {cache_arg: cache, "compile_config": compile_everywhere(dynamic=False, fullgraph=True)}
 
 
-def compiled_slots(prompts, max_new_tokens: int, multiple: int = 256) -> int:
-    """The static cache's size for a run: the longest prompt plus `max_new_tokens`, rounded up to `multiple`."""
-    longest = max(ids.shape[1] for ids in prompts)
-    return -(-(longest + max_new_tokens) // multiple) * multiple
+def compiled_slots(ids, max_new_tokens: int, smallest: int = 256) -> int:
+    """The static cache's size for a prompt: its length plus `max_new_tokens`, rounded up to a power of two, at least
+    `smallest` (few sizes, so few compiles)."""
+    slots = smallest
+    while slots < ids.shape[1] + max_new_tokens:
+        slots *= 2
+    return slots
 
 
 @contextlib.contextmanager
@@ -317,13 +321,14 @@ def run_evaluation(
     if padded_baseline:
         _decode(target, warm, 4, None, 0.0, 0, padded=True)
         modes.insert(1, PADDED)
-    slots = None
+    compiled = {}  # static cache size -> the settings of transformers' compiled decoding with a cache that size
     if compiled_baseline:
-        slots = compiled_slots([ids for prompts in encoded.values() for ids in prompts] + [warm], max_new_tokens)
-        slots = compiled_settings(target, slots)
-        logger.info("Compiling transformers' static-cache plain decoding for the compiled baseline (once per run) ...")
+        sizes = sorted({compiled_slots(ids, max_new_tokens) for prompts in encoded.values() for ids in prompts})
+        logger.info(f"Compiling transformers' static-cache plain decoding for caches of {sizes} slots ...")
         start = time.perf_counter()
-        _decode(target, warm, 4, None, 0.0, 0, compiled=slots)
+        for size in sizes:
+            compiled[size] = compiled_settings(target, size)
+            _decode(target, warm[:, : size - 4], 4, None, 0.0, 0, compiled=compiled[size])
         logger.info(f"... compiled in {time.perf_counter() - start:.0f} s")
         modes.insert(1, COMPILED)
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
@@ -345,7 +350,7 @@ def run_evaluation(
                             seed + i,
                             mode == PADDED,
                             verify_policy,
-                            slots if mode == COMPILED else None,
+                            compiled[compiled_slots(ids, max_new_tokens)] if mode == COMPILED else None,
                         )
                     decoded[mode].append(run)
                 bar.set_postfix({label: f"τ {decoded[label][-1][2].acceptance_length:.2f}" for label in drafters})
