@@ -170,8 +170,8 @@ def _compiled_run(monkeypatch, records):
 
     monkeypatch.setattr(evaluation, "compiled_settings", spy)
     target = make_target()
-    result = run_evaluation(target, char_tokenizer(99), {"d": make_drafter(target)}, {"x": records}, 6,
-                            progress=False, compiled_baseline=True)  # fmt: skip
+    result = run_evaluation(target, char_tokenizer(99), {"d": make_drafter(target)}, {"x": records, "y": records[:1]},
+                            6, progress=False, compiled_baseline=True)  # fmt: skip
     return result, seen
 
 
@@ -182,7 +182,7 @@ def test_compiled_baseline_times_transformers_static_cache_decoding(monkeypatch)
     monkeypatch.setattr(torch, "compile", lambda function, **kwargs: function)
     records = [{"prompt": "compile"}, {"prompt": "a somewhat longer prompt"}]
     result, seen = _compiled_run(monkeypatch, records)
-    (run,), (baseline,) = result["runs"], result["baselines"]
+    (run, _), (baseline, _) = result["runs"], result["baselines"]  # two datasets
     assert result["compiled_baseline"] and seen == [256]  # one static cache per size the prompts need
     assert [evaluation.compiled_slots(torch.zeros(1, n), 128) for n in (1, 128, 129, 700)] == [256, 256, 512, 1024]
     assert baseline["compiled_identical"] is True and baseline["tokens_per_second_compiled"] > 0

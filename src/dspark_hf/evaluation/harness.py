@@ -321,14 +321,14 @@ def run_evaluation(
     if padded_baseline:
         _decode(target, warm, 4, None, 0.0, 0, padded=True)
         modes.insert(1, PADDED)
-    compiled = {}  # static cache size -> the settings of transformers' compiled decoding with a cache that size
+    compiled_plain = {}  # static cache size -> the settings of transformers' compiled decoding with a cache that size
     if compiled_baseline:
         sizes = sorted({compiled_slots(ids, max_new_tokens) for prompts in encoded.values() for ids in prompts})
         logger.info(f"Compiling transformers' static-cache plain decoding for caches of {sizes} slots ...")
         start = time.perf_counter()
         for size in sizes:
-            compiled[size] = compiled_settings(target, size)
-            _decode(target, warm[:, : size - 4], 4, None, 0.0, 0, compiled=compiled[size])
+            compiled_plain[size] = compiled_settings(target, size)
+            _decode(target, warm[:, : size - 4], 4, None, 0.0, 0, compiled=compiled_plain[size])
         logger.info(f"... compiled in {time.perf_counter() - start:.0f} s")
         modes.insert(1, COMPILED)
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
@@ -350,7 +350,7 @@ def run_evaluation(
                             seed + i,
                             mode == PADDED,
                             verify_policy,
-                            compiled[compiled_slots(ids, max_new_tokens)] if mode == COMPILED else None,
+                            compiled_plain[compiled_slots(ids, max_new_tokens)] if mode == COMPILED else None,
                         )
                     decoded[mode].append(run)
                 bar.set_postfix({label: f"τ {decoded[label][-1][2].acceptance_length:.2f}" for label in drafters})
