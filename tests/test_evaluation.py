@@ -188,7 +188,7 @@ def test_compiled_baseline_times_transformers_static_cache_decoding(monkeypatch)
     assert baseline["compiled_identical"] is True and baseline["tokens_per_second_compiled"] > 0
     assert all("seconds_compiled" in row for row in baseline["per_prompt"])
     assert run["speedup_vs_compiled"] == pytest.approx(run["tokens_per_second"] / run["tokens_per_second_compiled"])
-    assert "compiled plain (transformers, static cache)" in format_evaluation(result)
+    assert "compiled plain (transformers)" in format_evaluation(result)
     with pytest.raises(ValueError, match="labels a plain baseline"):
         run_evaluation(make_target(), char_tokenizer(99), {evaluation.COMPILED: make_drafter(make_target())},
                        {"x": records}, 6, progress=False)  # fmt: skip

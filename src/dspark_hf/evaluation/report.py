@@ -226,21 +226,16 @@ def format_evaluation(result: dict) -> str:
     for r in result["runs"]:
         rates = " ".join(_fmt(x) for x in r["per_position_acceptance"])
         lines.append(f"acceptance by position  {r['dataset']} / {r['drafter']} / T={r['temperature']:g}: {rates}")
+    baselines = (("padded", "padded plain (verify kernels, no drafts)"), ("compiled", "compiled plain (transformers)"))
     for b in result.get("baselines", []):
-        if b.get("tokens_per_second_padded") is not None:
-            same = "" if b["padded_identical"] is None else f", same tokens as plain: {b['padded_identical']}"
-            rate = b["tokens_per_second_padded"]
-            lines.append(
-                f"padded plain (verify kernels, no drafts)  {b['dataset']} / T={b['temperature']:g}: {rate:.1f} tok/s "
-                f"= {rate / b['tokens_per_second']:.2f}x of plain{same}"
-            )
-        if b.get("tokens_per_second_compiled") is not None:
-            same = "" if b["compiled_identical"] is None else f", same tokens as plain: {b['compiled_identical']}"
-            rate = b["tokens_per_second_compiled"]
-            lines.append(
-                f"compiled plain (transformers, static cache)  {b['dataset']} / T={b['temperature']:g}: "
-                f"{rate:.1f} tok/s = {rate / b['tokens_per_second']:.2f}x of plain{same}"
-            )
+        for name, title in baselines:
+            rate, identical = b.get(f"tokens_per_second_{name}"), b.get(f"{name}_identical")
+            if rate is not None:
+                same = "" if identical is None else f", same tokens as plain: {identical}"
+                lines.append(
+                    f"{title}  {b['dataset']} / T={b['temperature']:g}: {rate:.1f} tok/s "
+                    f"= {rate / b['tokens_per_second']:.2f}x of plain{same}"
+                )
     for r in result["runs"]:
         if r.get("speedup_vs_compiled") is not None:
             lines.append(
