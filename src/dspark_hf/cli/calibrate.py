@@ -62,15 +62,15 @@ def run(args) -> int:
     out, dataset = _check_args(args, drafter_path)
     args.drafter = drafter_path
     target, _, drafter = load_models(args)
-    logits, labels = collect_confidence(
-        drafter,
-        target,
-        dataset,
+    # the same batches and anchors for the confidence head's fit and the tree's; a quantized target's own greedy
+    # tokens decide acceptance
+    blocks = dict(
         seq_len=args.seq_len,
         num_batches=args.batches,
         num_anchors=args.anchors,
-        against_target=args.quantize is not None,  # the quantized target's own greedy tokens decide acceptance
+        against_target=args.quantize is not None,
     )
+    logits, labels = collect_confidence(drafter, target, dataset, **blocks)
     block = drafter.config.block_size
     require(len(labels) >= MIN_BLOCKS, _too_short(args.data, block, f"gave {len(labels)} in --batches"))
     temps = fit_sts(logits, labels)
@@ -79,15 +79,7 @@ def run(args) -> int:
     report["quantize"] = args.quantize
     ranks = args.tree_ranks or TREE_RANKS
     budget = args.tree_budget or TREE_BUDGET
-    hidden, anchors, tokens = collect_tree_blocks(
-        drafter,
-        target,
-        dataset,
-        seq_len=args.seq_len,
-        num_batches=args.batches,
-        num_anchors=args.anchors,
-        against_target=args.quantize is not None,
-    )
+    hidden, anchors, tokens = collect_tree_blocks(drafter, target, dataset, **blocks)
     lm_head = target.get_output_embeddings()
     probs, hits, reach = tree_fit_data(drafter, lm_head, hidden, anchors, tokens, ranks)
     fit = fit_tree_calibration(probs, hits, reach)
