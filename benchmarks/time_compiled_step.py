@@ -26,10 +26,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from time_verify_cost import read_bandwidth, weight_bytes  # beside this script
 
 import dspark_hf
-from dspark_hf.decoding.profiling import cpu_model
+from dspark_hf.decoding.profiling import cpu_model, memory_floor_ms, weight_bytes
 from dspark_hf.decoding.ragged_cache import AppendCache
 from dspark_hf.kernels.lean_forward import run_target
 
@@ -158,7 +157,7 @@ def main() -> None:
                 if i >= 2:
                     times[width, way].append((time.perf_counter() - start) * 1e3)
     nbytes = weight_bytes(target)
-    floor = nbytes / read_bandwidth(nbytes)[0] * 1e3
+    floor, _ = memory_floor_ms(nbytes, torch.device("cpu"))
     medians = {key: statistics.median(v) for key, v in times.items()}
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, cache {context} tokens")
     print(f"memory floor {floor:.1f} ms ({nbytes / 1e6:.0f} MB of weights)")

@@ -23,17 +23,8 @@ import torch
 from transformers import DynamicCache
 
 import dspark_hf
-from dspark_hf.decoding.profiling import cpu_model
+from dspark_hf.decoding.profiling import cpu_model, weight_bytes
 from dspark_hf.kernels import verify_head
-
-
-def weight_bytes(target) -> int:
-    """Bytes of the weights one decoding step reads: every linear (the LM head included), each storage once."""
-    seen = {}
-    for module in target.modules():
-        if isinstance(module, torch.nn.Linear):
-            seen[module.weight.data_ptr()] = module.weight.numel() * module.weight.element_size()
-    return sum(seen.values())
 
 
 def read_bandwidth(nbytes: int, repeats: int = 7) -> tuple[float, float]:
