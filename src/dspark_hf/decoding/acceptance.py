@@ -18,9 +18,25 @@ The drafter chooses its draft at t with the same noise, x_t = argmax(log q_t + g
 P(x_t = y_t) >= (1 - TV(p_t, q_t)) / (1 + TV(p_t, q_t)) for this Gumbel coupling, against 1 - TV for rejection
 sampling (speculative sampling, DSpark paper §2.1), which would make which random draws are used depend on how many
 drafts a round verified.
+
+Standard speculative sampling (`accept_standard`, a row with `sampling="standard"`, chains only). The drafter draws
+x_j ~ q_j from fresh randomness (the row's own generator, `randomness.stream_key`); the round accepts x_j with
+probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection it draws from normalize(max(0, p_j - q_j)), and
+after ℓ accepted drafts the bonus from p_ℓ. p_j is the target's processed distribution at slot j, q_j the drafter's
+processed distribution the draft was drawn from (0 outside a draft vocabulary). Exact by the usual argument: at a
+verified slot P(commit v) = min(q(v), p(v)) + (1 - Σ_w min(q(w), p(w))) · max(0, p(v) - q(v)) / Σ_w max(0, p(w) -
+q(w)) = p(v), since both sums equal 1 - TV(p, q). Whether slot j is verified depends only on the drafts before it
+(the policies' rule), and every draw is fresh, so x_j given that decision is still a draw from q_j. The acceptance
+probability is 1 - TV(p, q), the best any coupling reaches, but the output depends on the drafter, the policy's
+lengths and how many uniforms each round took: a seed reproduces it only with the same drafter, settings and batch.
+Lookup drafts are not taken for such rows (choosing between the lookup's chain and the drafter's looks at the
+drafter's tokens, which would bias the verified ones), and trees are refused (they need the without-replacement
+rule of docs/trees.md).
 """
 
 import torch
+
+from .randomness import draw
 
 
 def accept_greedy(
@@ -76,4 +92,39 @@ def accept_tree(
     return on_path, depth, bonus
 
 
-__all__ = ["accept_greedy", "accept_tree"]
+def accept_standard(
+    draft_ids: torch.LongTensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    lengths: torch.LongTensor,
+    accept_uniforms: torch.Tensor,
+    bonus_uniforms: torch.Tensor,
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Batched standard speculative sampling of chains: accept draft j with probability min(1, p_j(x_j) / q_j(x_j)),
+    draw the first rejected slot's token from normalize(max(0, p_j - q_j)), or after every verified draft the bonus
+    from p.
+
+    draft_ids (B, W-1): drafts, row r verifying `lengths[r]` of them; draft_probs (B, W-1, V): q_j, the distribution
+    draft j was drawn from; target_probs (B, W, V): p_j, the target's processed distribution at slot j (slot j
+    predicts the token after draft j; slot 0: after the anchor); lengths (B,); accept_uniforms (B, W-1) and
+    bonus_uniforms (B,): fresh U[0, 1) draws (a row's entries past its length are not read). Returns accepted draft
+    counts (B,) and bonus tokens (B,).
+    """
+    width, vocab = target_probs.shape[1], target_probs.shape[-1]
+    slots = torch.arange(width - 1, device=draft_ids.device)
+    q_x = draft_probs.gather(2, draft_ids[..., None])[..., 0].double()  # (B, W-1)
+    p_x = target_probs[:, :-1].gather(2, draft_ids[..., None])[..., 0].double()
+    keep = (accept_uniforms.double() * q_x < p_x) & (slots[None] < lengths[:, None])  # u < p / q
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)  # (B,)
+    at = accepted[:, None, None].expand(-1, 1, vocab)
+    p_next = target_probs.gather(1, at)[:, 0].float()  # (B, V): p at the slot after the accepted drafts
+    q_pad = torch.cat([draft_probs, draft_probs.new_zeros(draft_probs.shape[0], 1, vocab)], dim=1)  # (B, W, V)
+    q_next = q_pad.gather(1, at)[:, 0].float()
+    rejected = (accepted < lengths)[:, None]
+    residual = torch.where(rejected, (p_next - q_next).clamp_min(0.0), p_next)
+    # p and q equal up to rounding leave no residual mass: a rejection is then (nearly) impossible, draw from p
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
+    return accepted, draw(residual, bonus_uniforms)
+
+
+__all__ = ["accept_greedy", "accept_standard", "accept_tree"]

@@ -38,6 +38,7 @@ from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import per_token_activations, per_token_linears
+from ..models.settings import check_sampling
 from ..utils.compat import selects_hidden_states
 from ..utils.devices import model_device
 from .acceptance import accept_greedy, accept_tree
@@ -45,7 +46,7 @@ from .drafting import candidate_generator_for
 from .lookup import LookupDrafts
 from .policy import VerifyPolicy
 from .ragged_cache import RaggedCache
-from .rows import Drafts, Row, choose_tokens, process_logits
+from .rows import Drafts, Row, accept_standard_rows, choose_tokens, process_logits
 from .stats import RECORDERS, DraftRound
 from .trees import slot_parents, slot_paths, tree_attention_mask
 
@@ -141,7 +142,7 @@ class SpeculativeDecoder:
         """
         if not rows:
             return []
-        self._check_tree()
+        self._check_tree(rows)
         if not self.rows:  # a new generate() call, or an Engine starting work after being idle
             self._refresh_weights()
         if self._per_token and len(rows) > 1:  # one activation scale per call: each prompt alone, as plain decoding
@@ -274,11 +275,14 @@ class SpeculativeDecoder:
         """The drafter's `config.tree_budget` (0: chains), read each round."""
         return getattr(self.candidates, "tree_budget", 0) if self.candidates is not None else 0
 
-    def _check_tree(self) -> None:
-        """Trees need every layer to see exactly the mask given: refuse sliding-window targets by name."""
+    def _check_tree(self, rows: list[Row] = ()) -> None:
+        """Trees need every layer to see exactly the mask given: refuse sliding-window targets by name; and chains
+        for rows with standard sampling (`acceptance.accept_standard`)."""
         budget = self.tree_budget
         if not budget:
             return
+        for row in [*self.rows, *rows]:
+            check_sampling(row.sampling, budget, row.do_sample)
         if self.sliding:
             raise ValueError(
                 f"drafter.config.tree_budget={budget}, but {type(self.target).__name__} has sliding-window layers, "
@@ -384,8 +388,12 @@ class SpeculativeDecoder:
         if drafts.is_tree:
             return self._accept_tree(drafts, logits, tokens, lengths)
         processed = process_logits(self.rows, logits, tokens)
-        choices = choose_tokens(self.rows, processed, counts=[n + 1 for n in drafts.lengths])  # (B, W)
+        counts = [0 if row.standard else n + 1 for row, n in zip(self.rows, drafts.lengths)]
+        choices = choose_tokens(self.rows, processed, counts=counts)  # (B, W)
         accepted, bonus = accept_greedy(tokens, choices, lengths)
+        # rows with sampling="standard": rejection sampling against the draft distributions instead
+        standard, taken, drawn = accept_standard_rows(self.rows, tokens, drafts.logits, processed, lengths)
+        accepted[standard], bonus[standard] = taken, drawn
         accepted = accepted.tolist()
         return accepted, bonus.tolist(), processed, [list(range(n + 1)) for n in accepted]
 

@@ -122,11 +122,14 @@ class LookupDrafts:
     def merge(self, rows: list[Row], drafts: Drafts, caps: list[int], min_n: int, tree_budget: int = 0):
         """(drafts, caps) with each row's lookup continuation merged in: a tree's grafted (`tree_budget` nodes at
         most), a chain's taken where its expected accepted depth is the larger, with that row's cap cut to the
-        lookup's tokens (the columns after them are the drafter's, never verified)."""
+        lookup's tokens (the columns after them are the drafter's, never verified). Rows with standard sampling keep
+        the drafter's chain."""
         if drafts.is_tree:
             return self._graft(rows, drafts, caps, min_n, tree_budget), caps
         caps, drafts.conditional = list(caps), list(drafts.conditional)
         for i, row in enumerate(rows):
+            if row.standard:  # the choice looks at the drafter's tokens, which would bias them (`acceptance.py`)
+                continue
             found, n = self._continuation(row, caps[i], min_n)
             if not found:
                 continue

@@ -17,6 +17,10 @@ Cost: one generator seeding, V uniforms and two logarithms per (row, position), 
 for the positions a round examines, and cached on the row until the position is committed: about 0.2-0.5 ms per
 position at V = 49152 on a 2-core AMD EPYC. Uniforms are float32 (resolution 2^-24; 0 is raised to 2^-25), so the
 sampled distribution is the target's up to float32 rounding, as with `torch.multinomial`.
+
+Rows decoded with standard speculative sampling (`Row.sampling == "standard"`, `acceptance.accept_standard`) draw
+from one sequential generator per row instead (`stream_key`): each draft, acceptance test and residual or bonus draw
+takes fresh uniforms, so no decision of a round can have seen the randomness a later one uses.
 """
 
 import torch
@@ -47,6 +51,24 @@ def position_key(seed: int, position: int) -> int:
     return _mix32(((base & _M32) + position) & _M32) ^ (base >> 32)
 
 
+def stream_key(seed: int) -> int:
+    """The 32-bit generator seed of a row's sequential stream (standard sampling), unrelated to its position keys."""
+    base = _splitmix64((seed ^ 0x5EED5EED5EED5EED) & _M64)
+    return (base & _M32) ^ (base >> 32)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.LongTensor:
+    """Inverse-CDF draws: probs (n, V) non-negative (need not sum to 1), uniforms (n,) in [0, 1) -> tokens (n,).
+
+    Token v is drawn when u·Σp falls in [cdf(v - 1), cdf(v)), so with probability p(v) / Σp; a token of probability 0
+    spans an empty interval and is never drawn. The cumulative sum runs in float64.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (n, V)
+    total = cdf[:, -1:]
+    point = torch.minimum(uniforms.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True)[:, 0]
+
+
 def gumbel_noise(seed: int, positions, vocab_size: int, device) -> torch.Tensor:
     """Standard Gumbel noise g_{seed, t} for each position t: (len(positions), V) float32 on `device`."""
     device = torch.device(device)
@@ -62,4 +84,4 @@ def gumbel_choice(logits: torch.Tensor, noise: torch.Tensor) -> torch.LongTensor
     return (logits.float() + noise.to(logits.device)).argmax(dim=-1)
 
 
-__all__ = ["gumbel_choice", "gumbel_noise", "position_key"]
+__all__ = ["draw", "gumbel_choice", "gumbel_noise", "position_key", "stream_key"]

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .randomness import gumbel_choice, gumbel_noise
+from ..models.settings import SAMPLING_MODES, check_choice
+from .acceptance import accept_standard
+from .randomness import draw, gumbel_choice, gumbel_noise, stream_key
 from .stats import DSparkGenerationStats
 
 
@@ -28,11 +30,23 @@ class Row:
     processors = None
     keeps_hidden_states = False  # whether `commit` wants the target's hidden states of each token (all layers)
 
-    def __init__(self, prompt_ids: list[int], *, do_sample=False, seed: int | None = None, block_size: int = 0):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        *,
+        do_sample=False,
+        seed: int | None = None,
+        block_size: int = 0,
+        sampling: str = "coupled",
+    ):
         if do_sample and seed is None:
             raise ValueError("A sampling row needs a seed (its noise at each position is keyed by it).")
+        check_choice("sampling", sampling, SAMPLING_MODES)
         self.seq = list(prompt_ids)
         self.do_sample, self.seed = do_sample, seed
+        # "coupled": the Gumbel-max coupling keyed by position; "standard": rejection sampling (`acceptance.py`)
+        self.sampling = sampling
+        self._generator: torch.Generator | None = None  # the standard mode's stream, made at its first draw
         self._noise: dict[int, torch.Tensor] = {}  # position -> its Gumbel noise (V,), until the position is committed
         self.noise_device = None  # where the noise is made (the decoder sets the target's: one device type per row)
         self.finished = False
@@ -59,6 +73,19 @@ class Row:
             made = gumbel_noise(self.seed, missing, vocab_size, self.noise_device or device)
             self._noise.update(zip(missing, made))
         return torch.stack([self._noise[t] for t in positions]).to(device)
+
+    @property
+    def standard(self) -> bool:
+        """Whether the row samples with standard speculative sampling (greedy rows ignore `sampling`)."""
+        return self.do_sample and self.sampling == "standard"
+
+    def uniforms(self, n: int, device) -> torch.Tensor:
+        """The next n U[0, 1) draws (n,) float64 of the row's own generator (standard sampling), seeded by
+        `randomness.stream_key(seed)` on `noise_device` (else `device`) at the first call."""
+        where = torch.device(self.noise_device or device)
+        if self._generator is None:
+            self._generator = torch.Generator(device=where).manual_seed(stream_key(self.seed))
+        return torch.rand(n, generator=self._generator, dtype=torch.float64, device=where).to(device)
 
     def processor_ids(self) -> list[int]:
         """The ids `processors` see before the drafts: the committed sequence (drivers may prepend padding)."""
@@ -158,11 +185,14 @@ def choose_tokens(
     len(seq_r) + first + s, or len(seq_r) + offsets[r][s] (a tree's slots: their depths). Greedy rows: the argmax.
     Sampling rows: argmax(logits + g_{seed, position}), a draw from softmax(logits) whose noise depends only on the
     row's seed and the position (Gumbel-max), for the first `counts[r]` slots (None: all); slots past them keep the
-    argmax. Returns (B, S) on the logits' device."""
+    argmax. A row with standard sampling draws those slots from softmax(logits) with its own generator's uniforms
+    instead (`Row.uniforms`). Returns (B, S) on the logits' device."""
     tokens = logits.argmax(dim=-1)
     for i, row in enumerate(rows):
         n = logits.shape[1] if counts is None else min(counts[i], logits.shape[1])
-        if row.do_sample and n > 0:
+        if row.standard and n > 0:
+            tokens[i, :n] = draw(torch.softmax(logits[i, :n].float(), dim=-1), row.uniforms(n, logits.device))
+        elif row.do_sample and n > 0:
             start = len(row.seq) + first
             positions = range(start, start + n) if offsets is None else [len(row.seq) + o for o in offsets[i][:n]]
             noise = row.noise(positions, logits.shape[-1], logits.device)
@@ -170,4 +200,34 @@ def choose_tokens(
     return tokens
 
 
-__all__ = ["Drafts", "Row", "choose_tokens", "process_logits"]
+def accept_standard_rows(
+    rows: list[Row], tokens: torch.LongTensor, draft_logits: torch.Tensor | None, processed: torch.Tensor, lengths
+) -> tuple[list[int], torch.LongTensor, torch.LongTensor]:
+    """Standard speculative sampling (`acceptance.accept_standard`) for the rows with `sampling="standard"`.
+
+    tokens (B, W-1): a chain's drafts; draft_logits (B, ≥ W-1, V): the processed logits they were drawn from
+    (`Drafts.logits`); processed (B, W, V): the target's processed logits; lengths (B,). Each such row takes
+    lengths[r] + 1 fresh uniforms from its generator (the acceptance tests, then the residual or bonus draw).
+    Returns (their indices, accepted counts, bonus tokens) for those rows; nothing for the other rows.
+    """
+    index = [i for i, row in enumerate(rows) if row.standard]
+    if not index:
+        return [], lengths.new_zeros(0), lengths.new_zeros(0)
+    width, device = processed.shape[1], processed.device
+    at = torch.tensor(index, device=device)
+    own = lengths.to(device)[at]  # (b,)
+    uniforms = torch.zeros(len(index), width, dtype=torch.float64, device=device)  # (b, W): tests, then the draw
+    for j, (i, n) in enumerate(zip(index, own.tolist())):
+        drawn = rows[i].uniforms(n + 1, device)
+        uniforms[j, :n], uniforms[j, -1] = drawn[:n], drawn[n]
+    draft_probs = processed.new_zeros(len(index), width - 1, processed.shape[-1])  # (b, W-1, V)
+    if draft_logits is not None and width > 1:  # (none: a round without a draft pass, these rows verify nothing)
+        draft_probs = torch.softmax(draft_logits[at.to(draft_logits.device), : width - 1].to(device).float(), dim=-1)
+    target_probs = torch.softmax(processed[at].float(), dim=-1)  # (b, W, V)
+    accepted, bonus = accept_standard(
+        tokens[at], draft_probs, target_probs, own, uniforms[:, : width - 1], uniforms[:, -1]
+    )
+    return index, accepted, bonus
+
+
+__all__ = ["Drafts", "Row", "accept_standard_rows", "choose_tokens", "process_logits"]

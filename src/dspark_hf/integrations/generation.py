@@ -37,6 +37,7 @@ from ..decoding.drafting import is_drafter
 from ..decoding.policy import VerifyPolicy
 from ..decoding.rows import Row
 from ..decoding.stats import DSparkGenerationStats
+from ..models.settings import check_sampling
 from ..utils.compat import check_transformers_version
 
 
@@ -64,8 +65,8 @@ class _GenerateRow(Row):
     checked on the token list; any other criterion (stop strings, user criteria) is asked token by token.
     """
 
-    def __init__(self, padding, prompt, *, processors, others, eos, max_length, seed, keep, block_size):
-        super().__init__(prompt, do_sample=seed is not None, seed=seed, block_size=block_size)
+    def __init__(self, padding, prompt, *, processors, others, eos, max_length, seed, keep, block_size, sampling):
+        super().__init__(prompt, do_sample=seed is not None, seed=seed, block_size=block_size, sampling=sampling)
         self.padding, self.others, self.eos, self.max_length = padding, others, eos, max_length
         self.processors = processors
         self.limit: int | None = None  # set when the batch's length is known and this row must reach it
@@ -266,6 +267,7 @@ def speculative_generate(
     token_streamer=None,
     target_tokenizer=None,
     verify_policy: str | None = None,
+    sampling: str = "coupled",
     **model_kwargs,
 ):
     """The decoding loop of `generate()` with a drafter (pass it as `custom_generate=`, with `drafter=`).
@@ -278,6 +280,9 @@ def speculative_generate(
     `output_attentions` is refused: verifies attend over a cache with holes, not plain decoding's).
     Sampling draws one seed per row from torch's global RNG (`torch.manual_seed` before the call reproduces it); a
     row's tokens then depend only on its seed and prompt, not on the policy, the batch or the machine's load.
+    `sampling="standard"` decodes sampling rows with standard speculative (rejection) sampling instead of that
+    coupling (`decoding/acceptance.py`): more drafts accepted per round, the same distribution, but the tokens a seed
+    gives depend on the drafter and its settings; chains only (greedy rows ignore it).
     `token_streamer`: gets what plain decoding's streamer gets (`_Streaming`); `target_tokenizer` checks the pairing;
     `verify_policy` overrides the drafter's. The drafter's `generation_stats` holds the call's statistics.
     """
@@ -293,6 +298,7 @@ def speculative_generate(
         )
     drafter.config.check_runtime_settings(drafter)  # settings changed on the live drafter, before any forward
     _check_call(model, generation_config, model_kwargs)
+    check_sampling(sampling, getattr(drafter.config, "tree_budget", 0), generation_config.do_sample)
     drafter.config.check_target(model.config, target_tokenizer)
     eos, max_length, others = _split_stopping(stopping_criteria)
     max_length = generation_config.max_length if max_length is None else max_length
@@ -321,6 +327,7 @@ def speculative_generate(
             seed=seed,
             keep=keep,
             block_size=drafter.config.block_size,
+            sampling=sampling,
         )  # fmt: skip
         for index, ((padding, prompt), seed) in enumerate(zip(prompts, seeds))
     ]

@@ -10,6 +10,9 @@ from typing import Any
 
 
 VERIFY_POLICIES = ("threshold", "fixed", "scheduler")
+# How a sampling row is decoded (`decoding/acceptance.py`): "coupled", the seeded Gumbel-max coupling (the same tokens
+# under every drafter, policy and load), or "standard" speculative (rejection) sampling of chains
+SAMPLING_MODES = ("coupled", "standard")
 LONGEST_LOOKUP = 8  # the longest suffix match `context_lookup` tries (decoding/lookup.py)
 # The most nodes a draft tree may have (`tree_budget`). Every node is one more position of the round's verify forward
 # under the "fixed" policy, and the extra accepted depth shrinks fast with size (docs/trees.md: τ 2.18 / 2.40 / 2.62
@@ -45,6 +48,17 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise _refuse(name, "True or False", value)
+
+
+def check_sampling(sampling: Any, tree_budget: int = 0, do_sample: bool = True) -> None:
+    """`sampling` is one of `SAMPLING_MODES`; "standard" verifies chains only, so a sampling row refuses it beside a
+    tree budget (greedy rows ignore `sampling`)."""
+    check_choice("sampling", sampling, SAMPLING_MODES)
+    if sampling == "standard" and do_sample and tree_budget:
+        raise ValueError(
+            f"sampling='standard' verifies chains only, but drafter.config.tree_budget={tree_budget}. Set "
+            "drafter.config.tree_budget = 0, or sample with sampling='coupled' (the default, which trees keep)."
+        )
 
 
 def check_dspark_settings(config, drafter=None) -> None:
@@ -184,8 +198,11 @@ def check_weights_match(config, drafter) -> None:
 __all__ = [
     "LONGEST_LOOKUP",
     "MAX_TREE_BUDGET",
+    "SAMPLING_MODES",
     "VERIFY_POLICIES",
+    "check_choice",
     "check_dspark_settings",
     "check_int",
+    "check_sampling",
     "check_weights_match",
 ]

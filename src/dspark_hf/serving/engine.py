@@ -22,6 +22,7 @@ from ..decoding.drafting import is_drafter
 from ..decoding.policy import VerifyPolicy
 from ..decoding.rows import Row
 from ..decoding.scheduler import SPS
+from ..models.settings import check_sampling
 from ..utils.devices import model_device
 from .request import Request, check_sampling_settings, prompt_token_ids
 
@@ -33,7 +34,7 @@ class _RequestRow(Row):
     """A `Request` as a row of the decoder: its sampling settings, budget and output stream."""
 
     def __init__(self, request: Request, counts: dict):
-        super().__init__(request.prompt_ids, do_sample=request.do_sample, seed=request.seed)
+        super().__init__(request.prompt_ids, do_sample=request.do_sample, seed=request.seed, sampling=request.sampling)
         self.request, self._counts = request, counts
         self.stats = request.stats
         self.sampling_key, self.warpers = request.sampling_key, request.warpers
@@ -161,18 +162,22 @@ class Engine:
         eos_token_id: int | list[int] | None = None,
         seed: int | None = None,
         request_id: str | None = None,
+        sampling: str = "coupled",
     ) -> Request:
         """Queue a request (thread-safe). `input_ids`: list[int] or 1-D LongTensor (a string with a tokenizer).
 
         `eos_token_id` None takes the target's `generation_config.eos_token_id`. `seed` keys a sampled request's
         noise at each position (`decoding/randomness.py`), so one seed gives one output under every policy, batch
-        and load, with or without a drafter (None: a fresh random seed, kept in `request.seed`). Returns the
-        `Request` to stream or wait on.
+        and load, with or without a drafter (None: a fresh random seed, kept in `request.seed`). `sampling="standard"`
+        samples with standard speculative (rejection) sampling instead: more drafts accepted, the same distribution,
+        but a seed's tokens then depend on the drafter, its settings and the batch (`decoding/acceptance.py`).
+        Returns the `Request` to stream or wait on.
         """
         if self.drafter is not None:  # rounds read the drafter's settings: changed since construction, refused here
             self.drafter.config.check_runtime_settings(self.drafter)
         prompt = prompt_token_ids(input_ids, self.vocab_size, self.tokenizer)
         check_sampling_settings(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
+        check_sampling(sampling, getattr(getattr(self.drafter, "config", None), "tree_budget", 0), do_sample)
         eos = self.target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if not all(isinstance(t, int) for t in eos):
@@ -184,6 +189,7 @@ class Engine:
             request = Request(
                 request_id, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                 top_p=top_p, top_k=top_k, eos_token_ids=frozenset(eos), seed=seed, block_size=self.block_size,
+                sampling=sampling,
             )  # fmt: skip
             if request.seed is None:  # recorded on the request: passing it again reproduces the output
                 request.seed = secrets.randbits(63)

@@ -36,6 +36,7 @@ class Request:
         eos_token_ids: frozenset[int],
         seed: int | None,
         block_size: int = 0,
+        sampling: str = "coupled",
     ):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -46,6 +47,7 @@ class Request:
         self.max_new_tokens, self.do_sample = max_new_tokens, do_sample
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.eos_token_ids, self.seed = eos_token_ids, seed
+        self.sampling = sampling  # "coupled" or "standard" (`decoding/acceptance.py`)
         self.stats = DSparkGenerationStats(block_size=block_size, num_prompt_tokens=len(prompt_ids))
         self._warpers = self._build_warpers()
         self._chunks: queue.Queue = queue.Queue()
