@@ -8,7 +8,10 @@ hits every way alike:
   plain            transformers' own sampling, no drafter (the speed baseline)
   coupled-chain    sampling="coupled" (the default), drafter.config.tree_budget = 0
   coupled-tree4/8/16   the same with a draft tree of 4, 8 or 16 nodes
-  standard-chain   sampling="standard": rejection sampling against the draft distributions, chains only
+  standard-chain   sampling="standard": rejection sampling against the draft distributions, chains only (its
+                   rows take no lookup drafts)
+  coupled-chain-no-lookup   the coupled chain with drafter.config.context_lookup = 0: the standard chain's like
+                   for like (the other ways keep the drafter's own lookup drafts)
 
 each under `--policies`: "scheduler" (the shipped drafter's: Algorithm 1 and the draft gate, on an SPS profile of
 this machine taken once and kept beside `--out`, so every run of the study prices verifies alike) and "fixed"
@@ -35,13 +38,14 @@ import time
 from pathlib import Path
 
 
-WAYS = {  # way -> (sampling mode, tree budget); None: plain sampling without the drafter
+WAYS = {  # way -> (sampling mode, tree budget, lookup drafts); None: plain sampling without the drafter
     "plain": None,
-    "coupled-chain": ("coupled", 0),
-    "coupled-tree4": ("coupled", 4),
-    "coupled-tree8": ("coupled", 8),
-    "coupled-tree16": ("coupled", 16),
-    "standard-chain": ("standard", 0),
+    "coupled-chain": ("coupled", 0, True),
+    "coupled-tree4": ("coupled", 4, True),
+    "coupled-tree8": ("coupled", 8, True),
+    "coupled-tree16": ("coupled", 16, True),
+    "standard-chain": ("standard", 0, False),  # its rows never take lookup drafts (decoding/lookup.py)
+    "coupled-chain-no-lookup": ("coupled", 0, False),  # the standard chain's like for like
 }
 POLICIES = ("scheduler", "fixed")
 SETS = ("mt-bench", "humaneval", "gsm8k", "math500", "mbpp", "arena-hard-v2")
@@ -84,14 +88,16 @@ def ways_and_policies(policies: list[str]) -> list[tuple[str, str]]:
     return [("plain", "-")] + [(w, p) for p in policies for w in WAYS if WAYS[w] is not None]
 
 
-def decode(target, drafter, ids, way: str, policy: str, temperature: float, new_tokens: int, seed: int) -> dict:
-    """One generate() of `way` under `policy`: its tokens' count and hash, seconds, and the round statistics."""
+def decode(target, drafter, ids, way: str, policy: str, temperature: float, new_tokens: int, seed: int, lookup: int):
+    """One generate() of `way` under `policy` (`lookup`: the drafter's own `context_lookup`): its tokens' count and
+    hash, seconds, and the round statistics."""
     import torch
 
     settings = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0, "max_new_tokens": new_tokens}
     if WAYS[way] is not None:
-        mode, budget = WAYS[way]
+        mode, budget, lookups = WAYS[way]
         drafter.config.tree_budget = budget
+        drafter.config.context_lookup = lookup if lookups else 0
         drafter.generation_stats = None
         settings |= {"assistant_model": drafter, "sampling": mode, "verify_policy": policy}
     torch.manual_seed(seed)
@@ -107,6 +113,7 @@ def decode(target, drafter, ids, way: str, policy: str, temperature: float, new_
             "accepted": sum(stats.accepted_lengths),
             "verified": sum(stats.verify_lengths),
             "gated_rounds": stats.gated_rounds,
+            "lookup_rounds": stats.lookup_rounds,
         }
     return cell
 
@@ -138,6 +145,7 @@ def run(args) -> None:
         "draft_vocab_size": drafter.config.draft_vocab_size,
     }
     ways = ways_and_policies(args.policies)
+    lookup = drafter.config.context_lookup
     warm = False
     for name in args.sets:
         prompts = load_prompts(Path(args.eval_dir), name, args.prompts, tokenizer)
@@ -150,10 +158,12 @@ def run(args) -> None:
                     continue
                 if not warm:  # kernels, thread counts, the drafter's first pass: every way once
                     for way, policy in ways:
-                        decode(target, drafter, ids[:, -64:], way, policy, temperature, WARMUP_TOKENS, args.seed)
+                        decode(
+                            target, drafter, ids[:, -64:], way, policy, temperature, WARMUP_TOKENS, args.seed, lookup
+                        )
                     warm = True
                 for way, policy in todo:
-                    cell = decode(target, drafter, ids, way, policy, temperature, args.new_tokens, args.seed)
+                    cell = decode(target, drafter, ids, way, policy, temperature, args.new_tokens, args.seed, lookup)
                     cell |= {"set": name, "temperature": temperature, "way": way, "policy": policy, "prompt": index}
                     done["cells"].append(cell)
                     save(out, done)
@@ -163,7 +173,7 @@ def run(args) -> None:
                         f"{cell['new_tokens'] / cell['seconds']:.1f} tok/s {tau}",
                         flush=True,
                     )
-    drafter.config.tree_budget = 0
+    drafter.config.tree_budget, drafter.config.context_lookup = 0, lookup
 
 
 def pooled(cells: list[dict]) -> dict:
