@@ -15,7 +15,10 @@ hits every way alike:
 
 each under `--policies`: "scheduler" (the shipped drafter's: Algorithm 1 and the draft gate, on an SPS profile of
 this machine taken once and kept beside `--out`, so every run of the study prices verifies alike) and "fixed"
-(every drafted position or tree node verified: τ then measures the acceptance rule itself, as issue 34 did).
+(every drafted position or tree node verified: τ then measures the acceptance rule itself, as issue 34 did). The
+draft gate carries what it measured across generate() calls (`gate.GateMemory`: the draft pass's cost, whether it
+was shut); each way keeps its own, swapped in before its calls, so a tree's dearer draft pass never shuts the gate
+of the chain run after it.
 
 Each cell (set, temperature, way, policy, prompt) records its new tokens, seconds, verify rounds and accepted drafts
 (τ as the package's stats count it: committed tokens per round, the bonus included) and a short hash of its tokens,
@@ -88,6 +91,15 @@ def ways_and_policies(policies: list[str]) -> list[tuple[str, str]]:
     return [("plain", "-")] + [(w, p) for p in policies for w in WAYS if WAYS[w] is not None]
 
 
+def use_gate_memory(target, drafter, memory) -> None:
+    """Make `memory` (a `gate.GateMemory`) the one the draft gate of `drafter` on `target` carries across calls."""
+    import weakref
+
+    from dspark_hf.decoding import policy
+
+    policy._GATE_MEMORY[drafter] = (weakref.ref(target), memory)
+
+
 def decode(target, drafter, ids, way: str, policy: str, temperature: float, new_tokens: int, seed: int, lookup: int):
     """One generate() of `way` under `policy` (`lookup`: the drafter's own `context_lookup`): its tokens' count and
     hash, seconds, and the round statistics."""
@@ -146,6 +158,10 @@ def run(args) -> None:
     }
     ways = ways_and_policies(args.policies)
     lookup = drafter.config.context_lookup
+    done["settings"]["gate_memory"] = "one per way"
+    from dspark_hf.decoding.gate import GateMemory
+
+    memories = {way: GateMemory() for way in ways}
     warm = False
     for name in args.sets:
         prompts = load_prompts(Path(args.eval_dir), name, args.prompts, tokenizer)
@@ -157,12 +173,14 @@ def run(args) -> None:
                 if not todo:
                     continue
                 if not warm:  # kernels, thread counts, the drafter's first pass: every way once
+                    use_gate_memory(target, drafter, GateMemory())  # a cold call's measurements kept by no way
                     for way, policy in ways:
                         decode(
                             target, drafter, ids[:, -64:], way, policy, temperature, WARMUP_TOKENS, args.seed, lookup
                         )
                     warm = True
                 for way, policy in todo:
+                    use_gate_memory(target, drafter, memories[way, policy])
                     cell = decode(target, drafter, ids, way, policy, temperature, args.new_tokens, args.seed, lookup)
                     cell |= {"set": name, "temperature": temperature, "way": way, "policy": policy, "prompt": index}
                     done["cells"].append(cell)
