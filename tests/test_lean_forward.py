@@ -3,7 +3,6 @@ own forward in every kernel scope, for the families it takes; the model's own fo
 
 import contextlib
 import gc
-import sys
 import weakref
 
 import pytest
@@ -124,6 +123,25 @@ def test_bit_identical_with_a_tree_mask_and_eager_attention(attn):
     assert torch.equal(own.hidden_states[3], lean.hidden_states[3]) and lean.hidden_states[2] is None
 
 
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("mask_4d", [False, True])
+def test_sdpa_runs_directly_with_grouped_heads(monkeypatch, width, mask_4d):
+    """Under "sdpa" the lean forward calls SDPA itself with grouped heads broadcast (`enable_gqa`) and its own mask
+    by slot, where transformers' function copies the keys per head group (`repeat_kv`) or folds the query: the same
+    logits, and transformers' attention function is not called (the direct path was taken)."""
+    from transformers.integrations import sdpa_attention
+
+    model = family_target("llama")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads
+    calls = []
+    real = sdpa_attention.use_gqa_in_sdpa  # asked by transformers' SDPA function in every layer (grouped heads)
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", lambda *a: calls.append(1) or real(*a))
+    (own, lean), _ = both_forwards(model, None, width=width, mask_4d=mask_4d)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 3 * layers  # the two prefills and the model's own round: none from the lean round
+    assert torch.equal(own.logits, lean.logits)
+
+
 def test_packed_siblings_run_as_one_product(monkeypatch):
     """Inside a packed scope the lean forward computes q/k/v and gate/up as one product each without calling those
     modules: only o, down and the LM head are module calls (the model's own forward calls all seven)."""
@@ -166,14 +184,15 @@ def test_norms_run_inline_unless_one_is_hooked_or_swapped(family):
     (own, lean), _ = both_forwards(fresh, "linear")
     assert len(calls) == 4 and torch.equal(own.logits, lean.logits)  # one hooked norm: its calls on both sides
     plain = family_target(family)
-    modeling = sys.modules[type(plain.model).__module__]
-    assert lean_forward._plain_norms(plain.model, plain.model.layers, modeling)
+    with torch.no_grad():
+        assert lean_forward._norms_inline(lean_forward._plan(plain.eval()))
     if family == "qwen3":  # a norm of another class (Llama's, the same arithmetic) is called as a module
         norm = plain.model.layers[1].post_attention_layernorm
         other = LlamaRMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon)
         other.load_state_dict(norm.state_dict())
         plain.model.layers[1].post_attention_layernorm = other
-        assert not lean_forward._plain_norms(plain.model, plain.model.layers, modeling)
+        with torch.no_grad():
+            assert not lean_forward._norms_inline(lean_forward._plan(plain))
         (own, lean), _ = both_forwards(plain, "linear")
         assert torch.equal(own.logits, lean.logits)
 
@@ -181,7 +200,7 @@ def test_norms_run_inline_unless_one_is_hooked_or_swapped(family):
 def test_a_forward_breaks_if_the_lean_path_differs(monkeypatch):
     """Negative control: the identity test sees a changed step (the post-attention norm skipped in the MLP)."""
     model = family_target("llama")
-    monkeypatch.setattr(lean_forward, "_mlp", lambda mlp, x, fuse: mlp(x * 1.0001))
+    monkeypatch.setattr(lean_forward, "_mlp", lambda mlp, gate, up, down, x, fuse: mlp(x * 1.0001))
     (own, lean), _ = both_forwards(model, "packed")
     assert not torch.equal(own.logits, lean.logits)
 

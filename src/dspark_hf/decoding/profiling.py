@@ -229,7 +229,11 @@ def profile_target(
                         per_token_activations(target, per_token),  # as the decode loop verifies (weights.py)
                     ):
                         positions = torch.arange(context_len, context_len + k, device=device).expand(b, k)
-                        run_target(target, input_ids=ids, position_ids=positions, use_cache=True, **{cache_arg: cache})
+                        mask = torch.ones(b, context_len + k, dtype=torch.long, device=device)  # as rounds pass it
+                        run_target(
+                            target, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{cache_arg: cache},
+                        )  # fmt: skip
                     _sync(device)
                     elapsed = time.perf_counter() - start
                     cache.crop(-k)

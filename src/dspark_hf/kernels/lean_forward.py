@@ -34,6 +34,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -52,9 +53,61 @@ LAYERS = {
     "MistralDecoderLayer": "sliding_window",
 }
 
-# model -> (its `_signature` when checked, `_structure`'s verdict then): the structural check, redone when the
-# signature changes
-_SUPPORTED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bool]]" = weakref.WeakKeyDictionary()
+
+class _Plan:
+    """What `forward` needs to know of a model between two changes of its `_signature`: whether the structure fits
+    (`_structure`) and the modules whose hooks decide, per call, which shortcuts apply. Made once per signature, so a
+    round's checks are a pass over these lists, not a walk of the model. It refers to the modules weakly: kept beside
+    the model, it must not keep the model alive through a module that refers back to it."""
+
+    def __init__(self, model: nn.Module, signature: tuple | None, skipped: list[nn.Module]):
+        self.signature = signature
+        self.supported = signature is not None and _structure(model)
+        self._skipped = _refs(skipped)  # modules whose own forward is not called (model, base, layers, attentions)
+        if not self.supported:
+            return
+        base, layers = model.model, model.model.layers
+        self._fused = _refs(_fused_modules(layers))  # the projections and MLPs, run as `F.linear` or fused products
+        self._norms = _refs(_norms(base, layers))
+        self._rest = _refs(list({id(m): m for m in _fused_modules(layers) + _norms(base, layers)}.values()))
+        self.norm_class = _norm_class(layers, sys.modules[type(base).__module__])  # None: not transformers' own
+        # per layer, the modules the forward reaches, in `_PARTS` order (read once here, not through `__getattr__`)
+        self._parts = [_refs([_part(layer, name) for name in _PARTS]) for layer in layers]
+
+    def parts(self) -> list[list[nn.Module]]:
+        """Per layer, its modules in `_PARTS` order."""
+        return [_live(refs) for refs in self._parts]
+
+    skipped = property(lambda self: _live(self._skipped))
+    fused = property(lambda self: _live(self._fused))
+    norms = property(lambda self: _live(self._norms))
+    rest = property(lambda self: _live(self._rest))  # fused and norms, each once
+
+
+# a decoder layer's modules as the forward uses them, by attribute path
+_PARTS = (
+    "input_layernorm", "self_attn", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "post_attention_layernorm", "mlp", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)  # fmt: skip
+
+
+def _part(layer: nn.Module, path: str) -> nn.Module:
+    for name in path.split("."):
+        layer = getattr(layer, name)
+    return layer
+
+
+def _refs(modules: list[nn.Module]) -> list[weakref.ref]:
+    return [weakref.ref(m) for m in modules]
+
+
+def _live(refs: list[weakref.ref]) -> list[nn.Module]:
+    """The modules (a module gone since cannot be among them: the signature that made the plan changed with it)."""
+    return [m for m in (r() for r in refs) if m is not None]
+
+
+# model -> its `_Plan`, made again when the signature changes
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, _Plan]" = weakref.WeakKeyDictionary()
 
 
 def _structure(model: nn.Module) -> bool:
@@ -95,13 +148,18 @@ def supports(model: nn.Module) -> bool:
     """Whether `forward` can stand in for `model(...)` now (see the module docstring). The model's structure is
     checked again whenever a module it reaches was swapped, wrapped or re-classed since the last check (`_signature`,
     read every call); the hooks, mode and gradients are checked every call."""
+    return _plan(model) is not None
+
+
+def _plan(model: nn.Module) -> "_Plan | None":
+    """The model's `_Plan` where `forward` can stand in for it now, else None."""
     if not ENABLED or torch.is_grad_enabled() or model.training:
-        return False
+        return None
     signature, skipped = _signature(model)
-    known = _SUPPORTED.get(model)
-    if known is None or known[0] != signature:
-        known = _SUPPORTED[model] = (signature, signature is not None and _structure(model))
-    return known[1] and only_capturing_hooks(skipped)
+    plan = _PLANS.get(model)
+    if plan is None or plan.signature != signature:
+        plan = _PLANS[model] = _Plan(model, signature, skipped)
+    return plan if plan.supported and only_capturing_hooks(plan.skipped) else None
 
 
 def _signature(model: nn.Module) -> tuple[tuple | None, list[nn.Module]]:
@@ -158,9 +216,10 @@ def run_target(model: nn.Module, **inputs):
         and inputs.get("input_ids") is not None
         and inputs.get("position_ids") is not None
         and inputs.get("use_cache", True)
-        and supports(model)
     ):
-        return forward(model, **inputs)
+        plan = _plan(model)
+        if plan is not None:
+            return forward(model, **inputs, plan=plan)
     return model(**inputs)
 
 
@@ -171,37 +230,49 @@ def forward(
     attention_mask: torch.Tensor | None = None,
     output_hidden_states: bool | list[int] = False,
     use_cache: bool = True,
+    plan: _Plan | None = None,
     **cache: object,
 ) -> CausalLMOutputWithPast:
     """The model's forward over `input_ids` (B, W) at `position_ids` (B, W), updating the cache given as the one
-    keyword left (`cache=` or `past_key_values=`). Returns logits (B, W, V) and the hidden states asked for."""
+    keyword left (`cache=` or `past_key_values=`). Returns logits (B, W, V) and the hidden states asked for. `plan`:
+    `_plan(model)` if the caller has it (`run_target`)."""
     (past,) = cache.values()
+    plan = plan or _plan(model)
+    if plan is None:
+        raise ValueError("lean_forward.forward: the model is not one `supports` accepts now; call `run_target`.")
     base = model.model
     modeling = sys.modules[type(base).__module__]
     hidden = base.embed_tokens(input_ids)
-    mask = create_causal_mask(model.config, hidden, attention_mask, past, position_ids)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, modeling.eager_attention_forward)
+    direct = attend is sdpa_attention_forward and attention_mask is not None
+    if direct:  # the mask transformers would build, without its plumbing; a 4-D mask is taken as it is
+        mask = attention_mask if attention_mask.dim() == 4 else _slot_mask(attention_mask, input_ids.shape[1])
+    else:
+        mask = create_causal_mask(model.config, hidden, attention_mask, past, position_ids)
     cos, sin = base.rotary_emb(hidden, position_ids=position_ids)
     layers = base.layers[: model.config.num_hidden_layers]
     wanted = _wanted(output_hidden_states, len(layers) + 1)
     states = [hidden if 0 in wanted else None]
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, modeling.eager_attention_forward)
     extra = {"sliding_window": None} if LAYERS[type(layers[0]).__name__] else {}
-    # siblings run as one product, and plain linears as `F.linear`, only where none of them has a hook
-    fuse = only_capturing_hooks(_fused_modules(layers))
+    # siblings run as one product, plain linears as `F.linear` and the norms inline, only where none of them has a
+    # hook (one pass over them all where none has, as almost always)
+    clean = only_capturing_hooks(plan.rest)
+    fuse = clean or only_capturing_hooks(plan.fused)
     linear = _linear if fuse else _call
     qk_norms = hasattr(layers[0].self_attn, "q_norm")  # (Qwen3) every layer is of the same class
-    norm = _inline_norm if _plain_norms(base, layers, modeling) else _call
+    norm = _inline_norm if _norms_inline(plan, clean) else _call
     rotate = _inline_rotary if _plain_rotary(modeling) else None
     if rotate is not None:  # (B, 1, W, hd): what `apply_rotary_pos_emb` broadcasts over the heads, made once
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    for i, layer in enumerate(layers):
-        attn = layer.self_attn
+    for i, (ln1, attn, q_proj, k_proj, v_proj, o_proj, ln2, mlp, gate, up, down) in enumerate(
+        plan.parts()[: len(layers)]
+    ):
         residual = hidden
-        x = norm(layer.input_layernorm, hidden)
+        x = norm(ln1, hidden)
         shape = (*x.shape[:-1], -1, attn.head_dim)
-        qkv = fused_product((attn.q_proj, attn.k_proj, attn.v_proj), x) if fuse else None
+        qkv = fused_product((q_proj, k_proj, v_proj), x) if fuse else None
         if qkv is None:
-            q, k, v = (linear(p, x).view(shape) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            q, k, v = (linear(p, x).view(shape) for p in (q_proj, k_proj, v_proj))
         else:
             q, k, v = (p.view(shape) for p in qkv.split(_widths(attn), dim=-1))
         if qk_norms:
@@ -211,9 +282,12 @@ def forward(
         else:
             q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
         k, v = past.update(k, v.transpose(1, 2), attn.layer_idx)
-        out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **extra)
-        hidden = residual + linear(attn.o_proj, out.reshape(*x.shape[:-1], -1).contiguous())
-        hidden = hidden + _mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden), fuse)
+        if direct:
+            out = _sdpa(q, k, v, mask, attn.scaling)
+        else:
+            out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **extra)
+        hidden = residual + linear(o_proj, out.reshape(*x.shape[:-1], -1).contiguous())
+        hidden = hidden + _mlp(mlp, gate, up, down, norm(ln2, hidden), fuse)
         if i + 1 < len(layers):
             states.append(hidden if i + 1 in wanted else None)
     hidden = norm(base.norm, hidden)
@@ -225,6 +299,34 @@ def forward(
     )
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+    """What transformers' SDPA attention function computes for q (B, H, W, hd) over k, v (B, H_kv, T, hd), as
+    (B, W, H, hd), with grouped heads broadcast where it copies the keys per group (`repeat_kv`, W > 1 with a mask:
+    the same values, without copying the cache every layer), and its own way elsewhere: SDPA's grouped heads without
+    a mask, the query's heads folded onto the key heads for one token with one."""
+    batch, heads, width, dim = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1 and width == 1 and mask is not None:
+        out = F.scaled_dot_product_attention(q.reshape(batch, -1, groups, dim), k, v, attn_mask=mask, scale=scaling)
+        return out.reshape(batch, heads, width, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    return out.transpose(1, 2)
+
+
+def _slot_mask(attention_mask: torch.Tensor, width: int) -> torch.BoolTensor | None:
+    """The (B, 1, W, T) boolean mask `create_causal_mask` makes for SDPA from a 2-D mask (B, T) over every slot of
+    the cache, the W new ones last: slot j of the new ones sees the valid slots up to itself (causal by slot, not by
+    position: a ragged cache's holes make the two differ). None, as there, for one token and no hole."""
+    if width == 1 and bool(attention_mask.all()):
+        return None
+    slots = attention_mask.shape[1]
+    seen = (
+        torch.arange(slots, device=attention_mask.device)[None]
+        <= torch.arange(slots - width, slots, device=attention_mask.device)[:, None]
+    )  # (W, T)
+    return attention_mask.bool()[:, None, None, :] & seen
+
+
 # the output's cache field: `cache` from transformers 5.25 on, `past_key_values` before
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -233,16 +335,16 @@ def _widths(attn: nn.Module) -> list[int]:
     return [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor, fuse: bool) -> torch.Tensor:
+def _mlp(mlp: nn.Module, gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tensor, fuse: bool):
     """`mlp(x)` = down(act(gate(x)) * up(x)), gate and up as one packed product where they are one group, else as
     the MLP's own forward computes it (`fuse`: no hook on the MLP, so its forward may be run in its place)."""
     if not fuse:
         return mlp(x)
-    gate_up = fused_product((mlp.gate_proj, mlp.up_proj), x)
+    gate_up = fused_product((gate, up), x)
     if gate_up is None:
-        return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
-    gate, up = gate_up.split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
-    return _linear(mlp.down_proj, mlp.act_fn(gate.contiguous()) * up.contiguous())
+        return _linear(down, mlp.act_fn(_linear(gate, x)) * _linear(up, x))
+    g, u = gate_up.split([gate.out_features, up.out_features], dim=-1)
+    return _linear(down, mlp.act_fn(g.contiguous()) * u.contiguous())
 
 
 # -- the norms and the rotary embedding, inline where they are transformers' own ------------------------------------
@@ -260,24 +362,38 @@ def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _inline_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What the `*RMSNorm.forward` of Llama, Qwen2, Qwen3 and Mistral computes, operator for operator."""
     dtype = x.dtype
-    x = x.to(torch.float32)
+    if dtype != torch.float32:  # (`.to` of a float32 tensor returns it: skipped, not a different value)
+        x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
+    return norm.weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
-def _plain_norms(base: nn.Module, layers, modeling) -> bool:
-    """Whether every norm the forward calls is the modeling module's own RMSNorm class, with its own forward and no
-    hook (checked every forward: a norm swapped, re-classed or hooked is called as a module)."""
+def _norm_class(layers, modeling) -> type | None:
+    """The modeling module's own RMSNorm class where its forward is its own (the one `_inline_norm` computes)."""
     cls = getattr(modeling, f"{type(layers[0]).__name__.removesuffix('DecoderLayer')}RMSNorm", None)
     if cls is None or cls.forward.__qualname__ != f"{cls.__name__}.forward":
+        return None
+    return cls
+
+
+def _norms_inline(plan: _Plan, clean: bool = False) -> bool:
+    """Whether every norm is the modeling module's own RMSNorm class, with its own forward and no hook (`clean`: the
+    caller found no hook on any of them)."""
+    if plan.norm_class is None or not all(type(n) is plan.norm_class for n in plan.norms):
         return False
+    return clean or only_capturing_hooks(plan.norms)
+
+
+def _norms(base: nn.Module, layers) -> list[nn.Module]:
+    """Every norm the forward calls. They run inline where each is of `_norm_class` (checked every forward, with
+    their hooks: a norm swapped, re-classed or hooked is called as a module)."""
     norms = [base.norm]
     for layer in layers:
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         attn = layer.self_attn
         if hasattr(attn, "q_norm"):
             norms += [attn.q_norm, attn.k_norm]
-    return all(type(n) is cls for n in norms) and only_capturing_hooks(norms)
+    return norms
 
 
 def _inline_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
