@@ -243,11 +243,13 @@ def same_tokens(cells: list[dict]) -> str:
     same = sum(len({h for (w, _), h in g.items() if w.startswith("coupled")}) == 1 for g in coupled)
     standard = [g for g in groups.values() if sum(w == "standard-chain" for w, _ in g) > 1]
     alike = sum(len({h for (w, _), h in g.items() if w == "standard-chain"}) == 1 for g in standard)
-    return (
-        f"Same seed, same tokens: the coupled chain and trees 4/8/16 under every policy gave one output on {same} of "
-        f"{len(coupled)} prompts; the standard chain gave the same output under both policies on {alike} of "
-        f"{len(standard)}."
+    line = (
+        f"Same seed, same tokens: the coupled ways (chain and trees 4/8/16, with and without lookup drafts, under "
+        f"every policy run) gave one output on {same} of {len(coupled)} prompts"
     )
+    if standard:
+        line += f"; the standard chain gave the same output under both policies on {alike} of {len(standard)}"
+    return line + "."
 
 
 def main(argv=None) -> int:
