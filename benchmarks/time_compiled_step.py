@@ -2,7 +2,8 @@
 hand-written eager function over a static cache, and that function compiled by inductor, side by side, beside the
 memory floor.
 
-    python benchmarks/time_compiled_step.py [--widths 1,4,16] [--repeats 9] [--context 256] [--json out.json]
+    python benchmarks/time_compiled_step.py [--widths 1,4,16] [--repeats 9] [--context 256] [--dynamic]
+                                            [--json out.json]
 
 The study behind issue 50 ("a round at the memory floor"). Three ways of one target forward of `width` tokens over a
 prefilled cache of `--context` tokens, fp32 SmolLM2-135M, each round of timing visiting every (width, way) once so
@@ -11,8 +12,9 @@ that a burst of load lands on all alike:
 - "round": what decode rounds run today, `lean_forward.run_target` over the package's `AppendCache` with a 2-D mask;
 - "eager": one function, a layer in a dozen operators (RMSNorm, one rotary embedding, SDPA with grouped keys, the
   MLP), over a static key/value buffer of `--capacity` slots written with `index_copy_` and masked;
-- "compiled": that function through `torch.compile` (inductor, `dynamic=False`, one graph per width), the compile
-  time printed per width (inductor caches its kernels on disk: a second run compiles in seconds).
+- "compiled": that function through `torch.compile` (inductor, `dynamic=False`, one graph per width; `--dynamic`:
+  `dynamic=True`, one graph for one token and one for every other width, as a round of any width would need), the
+  compile time printed per width (inductor caches its kernels on disk: a second run compiles in seconds).
 
 Logits of "eager" and "compiled" are compared with "round" (max |difference|, and whether every argmax agrees).
 The floor is the bytes of weights a step reads over the read bandwidth measured in the same process. Prints the CPU
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--capacity", type=int, default=512)
+    parser.add_argument("--dynamic", action="store_true", help="dynamic shapes: one graph for widths > 1")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
@@ -126,7 +129,7 @@ def main() -> None:
         cache.crop(-ids.shape[1])
         return out.logits
 
-    compiled = torch.compile(step, dynamic=False)
+    compiled = torch.compile(step, dynamic=args.dynamic)
     ways = {
         "round": round_way,
         "eager": lambda ids, positions, mask: step(ids, positions, positions, mask),
@@ -173,6 +176,7 @@ def main() -> None:
                     "threads": torch.get_num_threads(),
                     "torch": torch.__version__,
                     "context": context,
+                    "dynamic": args.dynamic,
                     "floor_ms": floor,
                     "compile_s": compile_s,
                     "agreement": agreement,

@@ -200,6 +200,33 @@ def test_compiled_baseline_compiles_and_keeps_plain_greedy(monkeypatch):
     assert result["baselines"][0]["compiled_identical"] is True
 
 
+def test_own_baseline_is_this_packages_plain_decoding(monkeypatch):
+    """`own_baseline=True` decodes each prompt once more through the package's own decode round without a drafter
+    (the Engine): greedy, its tokens are plain greedy's; each run reports its speedup over it. A corrupted own
+    decode is reported as not identical (the check can fail)."""
+    target, tok = make_target(), char_tokenizer(99)
+    records = [{"prompt": "own"}, {"prompt": "a longer prompt"}]
+    result = run_evaluation(target, tok, {"d": make_drafter(target)}, {"x": records}, 6, progress=False,
+                            own_baseline=True)  # fmt: skip
+    (run,), (baseline,) = result["runs"], result["baselines"]
+    assert result["own_baseline"] and baseline["own_identical"] is True and baseline["tokens_per_second_own"] > 0
+    assert all("seconds_own" in row for row in baseline["per_prompt"])
+    assert run["speedup_vs_own"] == pytest.approx(run["tokens_per_second"] / run["tokens_per_second_own"])
+    assert "own plain (this package's round, no drafter)" in format_evaluation(result)
+    real = evaluation._own_decode
+
+    def corrupted(*args):
+        out, *rest = real(*args)
+        return (out + 1) % 99, *rest
+
+    monkeypatch.setattr(evaluation, "_own_decode", corrupted)
+    result = run_evaluation(target, tok, {"d": make_drafter(target)}, {"x": records}, 6, progress=False,
+                            own_baseline=True)  # fmt: skip
+    assert result["baselines"][0]["own_identical"] is False
+    with pytest.raises(ValueError, match="labels a plain baseline"):
+        run_evaluation(target, tok, {evaluation.OWN: make_drafter(target)}, {"x": records}, 6, progress=False)
+
+
 def test_identity_check_reports_an_injected_mismatch(monkeypatch):
     target, tok = make_target(), char_tokenizer(99)
     records = [{"prompt": "first"}, {"prompt": "second"}]

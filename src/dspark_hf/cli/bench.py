@@ -48,6 +48,12 @@ def add_parser(subparsers):
         help="also time transformers' compiled static-cache plain decoding (speedup_vs_compiled); compiles once, "
         "about a minute on 2 CPU cores",
     )
+    bench.add_argument(
+        "--own-baseline",
+        action="store_true",
+        help="also time this package's own plain decoding, its decode round with no drafter (speedup_vs_own: what "
+        "speculation itself buys over the same forward, cache and kernels)",
+    )
     bench.add_argument("--out", help="folder for evaluation.json and the PNG plots")
     bench.add_argument("--json", help="write the full result JSON here")
     add_model_args(bench, many_drafters=True)
@@ -112,6 +118,7 @@ def run(args) -> int:
         tree_budgets=budgets,
         verify_policy=args.verify_policy,
         compiled_baseline=args.compiled_baseline,
+        own_baseline=args.own_baseline,
     )
     result["target"] = args.target or "SmolLM2-135M-Instruct (embedded default)"
     for name, path in files.items():

@@ -47,6 +47,7 @@ from transformers.utils import logging
 
 from ..decoding.stats import record_draft_rounds
 from ..kernels import verify_head, verify_linears
+from ..serving.engine import Engine
 from ..utils.prompts import encode
 from .inputs import load_assistant, parse_datasets, parse_drafters
 from .report import _baseline_entry, _run_entry, format_evaluation, model_card_results
@@ -56,6 +57,7 @@ from .rounds import FirstTokenClock, RoundLog, observe_assistant, round_breakdow
 
 PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain steps through the verify kernels)
 COMPILED = "compiled plain"  # the mode label of transformers' compiled static-cache plain decoding
+OWN = "own plain"  # the mode label of this package's plain decoding (its decode round with no drafter)
 WARMUP_TOKENS = 256  # the warm-up decodes this much of the first prompt
 
 logger = logging.get_logger(__name__)
@@ -76,14 +78,18 @@ def _policy(assistant, verify_policy: str | None) -> dict:
 
 
 def _decode(
-    target, ids, max_new_tokens, assistant, temperature, seed, padded=False, verify_policy=None, compiled=None
-):
+    target, ids, max_new_tokens, assistant, temperature, seed, padded=False, verify_policy=None, compiled=None,
+    own=False,
+):  # fmt: skip
     """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`);
     `padded`: plain decoding with the verify kernels' one-token steps (`verify_linears.measured_steps`, the linears
     the way measured on this machine, as a decode loop's plain round runs them); `compiled`: plain decoding by
-    transformers' compiled static-cache decoding with these settings (`compiled_settings`; its cache is reset)."""
+    transformers' compiled static-cache decoding with these settings (`compiled_settings`; its cache is reset); `own`:
+    this package's plain decoding (`_own_decode`)."""
     if temperature:
         torch.manual_seed(seed)
+    if own:
+        return _own_decode(target, ids, max_new_tokens, temperature, seed)
     if hasattr(assistant, "generation_stats"):
         assistant.generation_stats = None  # never read the previous call's
     steps = verify_linears.measured_steps(target) if padded else contextlib.nullcontext()
@@ -110,6 +116,19 @@ def _decode(
     elif clock is not None and clock.first is not None:
         log.prefill_seconds = clock.first - called
     return out.cpu(), seconds, stats, log
+
+
+def _own_decode(target, ids, max_new_tokens, temperature, seed):
+    """Plain decoding through this package's decode round: an `Engine` without a drafter, so every round is one token
+    through the round's forward (`kernels.lean_forward`), its cache and its measured kernels, as the drafter's rounds
+    run. What a speculative run gains over this is what speculation itself buys. A sampled row draws with its seed
+    (the package's noise), not transformers' sampler: compare its speed only. `_decode`'s tuple, with no stats."""
+    engine = Engine(target, max_batch_size=1)
+    sampling = {} if not temperature else {"do_sample": True, "temperature": float(temperature), "seed": seed}
+    start = time.perf_counter()
+    (out,) = engine.generate([ids[0]], max_new_tokens=max_new_tokens, **sampling)
+    seconds = time.perf_counter() - start
+    return torch.tensor(out, dtype=torch.long), seconds, None, RoundLog([])
 
 
 def compiled_settings(target, slots: int) -> dict:
@@ -286,6 +305,7 @@ def run_evaluation(
     tree_budgets=(),
     verify_policy: str | None = None,
     compiled_baseline: bool = False,
+    own_baseline: bool = False,
 ) -> dict:
     """Plain decoding vs every drafter on every dataset at every temperature, plus the draft-latency sweep.
 
@@ -296,7 +316,8 @@ def run_evaluation(
     `latency` ({label: `measure_latency`}), `padded_baseline` and `all_identical` (T = 0 runs). `tree_budgets`:
     each DSpark drafter once per budget (`tree_variants`); the latency sweep then covers the chains only.
     `verify_policy`: passed to every DSpark drafter's `generate()` (None: each drafter's own). `compiled_baseline`:
-    also decode plainly by transformers' compiled static-cache decoding (see the module docstring).
+    also decode plainly by transformers' compiled static-cache decoding (see the module docstring). `own_baseline`:
+    also decode plainly through this package's own decode round (`_own_decode`; `speedup_vs_own`).
     """
     if not drafters:
         raise ValueError("run_evaluation needs at least one drafter: {label: assistant model}.")
@@ -306,7 +327,7 @@ def run_evaluation(
     temperatures = [float(t) for t in temperatures]
     if any(t < 0 for t in temperatures):
         raise ValueError(f"Temperatures must be >= 0 (0 = greedy), got {temperatures}.")
-    for baseline in (PADDED, COMPILED):
+    for baseline in (PADDED, COMPILED, OWN):
         if baseline in drafters:
             raise ValueError(f"{baseline!r} labels a plain baseline; give that drafter another label.")
     if padded_baseline is None:
@@ -331,6 +352,9 @@ def run_evaluation(
             _decode(target, warm[:, : size - 4], 4, None, 0.0, 0, compiled=compiled_plain[size])
         logger.info(f"... compiled in {time.perf_counter() - start:.0f} s")
         modes.insert(1, COMPILED)
+    if own_baseline:
+        _decode(target, warm, 4, None, 0.0, 0, own=True)
+        modes.insert(1, OWN)
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
     for name, prompts in encoded.items():
         for temperature in temperatures:
@@ -351,14 +375,15 @@ def run_evaluation(
                             mode == PADDED,
                             verify_policy,
                             compiled_plain[compiled_slots(ids, max_new_tokens)] if mode == COMPILED else None,
+                            mode == OWN,
                         )
                     decoded[mode].append(run)
                 bar.set_postfix({label: f"τ {decoded[label][-1][2].acceptance_length:.2f}" for label in drafters})
-            padded, compiled = decoded.get(PADDED), decoded.get(COMPILED)
-            baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded, compiled))
+            padded, compiled, own = decoded.get(PADDED), decoded.get(COMPILED), decoded.get(OWN)
+            baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded, compiled, own))
             for label in drafters:
                 runs.append(
-                    _run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded, compiled)
+                    _run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded, compiled, own)
                 )
                 runs[-1]["tree_budget"] = budgets[label]
                 if temperature == 0:
@@ -391,6 +416,7 @@ def run_evaluation(
         "all_identical": all(r["all_identical"] for r in greedy) if greedy else None,
         "padded_baseline": bool(padded_baseline),
         "compiled_baseline": bool(compiled_baseline),
+        "own_baseline": bool(own_baseline),
         "runs": runs,
         "baselines": baselines,
         "latency": latency,

@@ -43,9 +43,9 @@ def _decode_phase(decoded, prefills) -> tuple[int, float]:
     return tokens, sum(max(d[1] - p, 0.0) for d, p in zip(decoded, prefills))
 
 
-def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None, compiled=None) -> dict:
+def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None, compiled=None, own=None) -> dict:
     """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes;
-    `compiled`: transformers' compiled static-cache plain decoding's."""
+    `compiled`: transformers' compiled static-cache plain decoding's; `own`: this package's plain decoding's."""
     stats = [s for _, _, s, _ in decoded]
     pooled = _pool(stats)
     tokens, seconds = _totals(decoded)
@@ -81,6 +81,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
     tps, plain_tps = _rate(tokens, seconds), _rate(*_totals(plain))
     padded_tps = _rate(*_totals(padded)) if padded else None
     compiled_tps = _rate(*_totals(compiled)) if compiled else None
+    own_tps = _rate(*_totals(own)) if own else None
     return {
         "dataset": dataset,
         "temperature": temperature,
@@ -110,6 +111,9 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         "speedup_vs_padded": tps / max(padded_tps, plain_tps) if padded_tps else None,
         "tokens_per_second_compiled": compiled_tps,
         "speedup_vs_compiled": tps / compiled_tps if compiled_tps else None,
+        "tokens_per_second_own": own_tps,
+        # what speculation buys over plain decoding through the same round (forward, cache and kernels)
+        "speedup_vs_own": tps / own_tps if own_tps else None,
         "draft_ms_per_round": statistics.fmean(draft_ms) if draft_ms else None,
         "draft_ms_per_round_median": statistics.median(draft_ms) if draft_ms else None,
         "draft_fraction": sum(draft_ms) / 1e3 / seconds if seconds else 0.0,
@@ -143,13 +147,14 @@ def _decode_phase_entry(decoded, plain) -> dict:
     }
 
 
-def _baseline_entry(dataset, temperature, prompts, plain, padded=None, compiled=None) -> dict:
+def _baseline_entry(dataset, temperature, prompts, plain, padded=None, compiled=None, own=None) -> dict:
     """Plain decoding on one dataset × temperature, and the padded (kernel-neutral) and compiled baselines where they
     ran.
 
     `padded_identical` (T = 0): whether 2-row steps gave plain greedy's tokens; the products agree to float rounding,
     so a difference is possible in principle but makes only the timing less comparable, never a drafter's output.
-    `compiled_identical` the same for transformers' compiled decoding (its fused kernels round differently).
+    `compiled_identical` the same for transformers' compiled decoding (its fused kernels round differently), and
+    `own_identical` for this package's plain decoding (its round's forward, cache and kernels).
     """
     per_prompt = [
         {"index": i, "prompt_tokens": ids.shape[1], "new_tokens": out.numel(), "seconds": secs}
@@ -164,7 +169,7 @@ def _baseline_entry(dataset, temperature, prompts, plain, padded=None, compiled=
         "seconds": seconds,
         "tokens_per_second": _rate(tokens, seconds),
     }
-    for name, decoded in (("padded", padded), ("compiled", compiled)):
+    for name, decoded in (("padded", padded), ("compiled", compiled), ("own", own)):
         identical = None
         if decoded:
             for row, (_, secs, _, _) in zip(per_prompt, decoded):
@@ -226,7 +231,11 @@ def format_evaluation(result: dict) -> str:
     for r in result["runs"]:
         rates = " ".join(_fmt(x) for x in r["per_position_acceptance"])
         lines.append(f"acceptance by position  {r['dataset']} / {r['drafter']} / T={r['temperature']:g}: {rates}")
-    baselines = (("padded", "padded plain (verify kernels, no drafts)"), ("compiled", "compiled plain (transformers)"))
+    baselines = (
+        ("padded", "padded plain (verify kernels, no drafts)"),
+        ("compiled", "compiled plain (transformers)"),
+        ("own", "own plain (this package's round, no drafter)"),
+    )
     for b in result.get("baselines", []):
         for name, title in baselines:
             rate, identical = b.get(f"tokens_per_second_{name}"), b.get(f"{name}_identical")
@@ -237,11 +246,12 @@ def format_evaluation(result: dict) -> str:
                     f"= {rate / b['tokens_per_second']:.2f}x of plain{same}"
                 )
     for r in result["runs"]:
-        if r.get("speedup_vs_compiled") is not None:
-            lines.append(
-                f"against compiled plain  {r['dataset']} / {r['drafter']} / T={r['temperature']:g}: "
-                f"{r['speedup_vs_compiled']:.2f}x"
-            )
+        for name in ("compiled", "own"):
+            if r.get(f"speedup_vs_{name}") is not None:
+                lines.append(
+                    f"against {name} plain  {r['dataset']} / {r['drafter']} / T={r['temperature']:g}: "
+                    f"{r[f'speedup_vs_{name}']:.2f}x"
+                )
     for label, lat in result.get("latency", {}).items():
         cells = ", ".join(
             f"L={n}: {_fmt(d, '.1f')} ({_fmt(w, '.1f')})"
