@@ -239,3 +239,40 @@ def test_two_threads_decoding_on_one_target_each_get_plain_greedy(monkeypatch, f
         thread.join()
     assert not errors
     assert outputs == [[plain[0]] * 3, [plain[1]] * 3]
+
+
+def test_a_threads_packed_scope_is_its_own():
+    """Inside one thread's packed scope its linears compute through the packs; another thread at the same moment, on
+    the same (re-classed) modules, finds no scope of its own and computes as `nn.Linear` does. Neither reads the
+    other's scope (no process-wide registry of scopes)."""
+    import threading
+
+    target = make_target(vocab_size=99, num_layers=2).eval()
+    linear = target.model.layers[0].self_attn.q_proj
+    x = torch.randn(1, 3, linear.in_features)
+    entered, checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def in_scope():
+        with torch.no_grad(), verify_linears.packs_for(target).scope(target):
+            seen["type"] = type(linear)
+            seen["inside"] = verify_linears._active(linear, x) is not None
+            entered.set()
+            checked.wait(timeout=30)
+
+    def outside():
+        entered.wait(timeout=30)
+        with torch.no_grad():
+            seen["other"] = verify_linears._active(linear, x)
+            seen["other_out"] = linear(x)  # a re-classed module, called from a thread without a scope
+        checked.set()
+
+    threads = [threading.Thread(target=in_scope), threading.Thread(target=outside)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen["type"] is verify_linears.PackedVerifyLinear and seen["inside"]
+    assert seen["other"] is None
+    assert torch.equal(seen["other_out"], nn.functional.linear(x, linear.weight, linear.bias))
+    assert type(linear) is nn.Linear  # the scope undone on exit

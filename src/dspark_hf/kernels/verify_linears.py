@@ -25,6 +25,7 @@ Which linears: `verify_head.eligible_linears` (plain float32 CPU `nn.Linear`s), 
 """
 
 import contextlib
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -185,18 +186,29 @@ class TargetPacks:
         rows, and an "sdpa" model attends on its unrepeated cache (`verify_attention`); undone on exit."""
         self.refresh()
         modules = [m for g in self.groups for m in g.members if type(m) is nn.Linear]
+        active = _scopes()
         for module in modules:
-            _ACTIVE[id(module)] = (self, pad_to)
+            active[id(module)] = (self, pad_to)
         try:
             with swapped_linears(model, modules, lambda module: PackedVerifyLinear):
                 yield
         finally:
             for module in modules:
-                _ACTIVE.pop(id(module), None)
+                active.pop(id(module), None)
             self.clear()
 
 
-_ACTIVE: dict[int, tuple[TargetPacks, int]] = {}  # id(module) -> (its packs, rows to pad to), inside a scope only
+# per thread: id(module) -> (its packs, rows to pad to), inside that thread's scope only. Another thread decoding on
+# the same target never reads this thread's scope: where it meets a linear this scope re-classed, the linear computes
+# as `nn.Linear` does (`PackedVerifyLinear.forward`), the same values.
+_THREAD = threading.local()
+
+
+def _scopes() -> dict[int, tuple["TargetPacks", int]]:
+    active = getattr(_THREAD, "active", None)
+    if active is None:
+        active = _THREAD.active = {}
+    return active
 
 
 class PackedVerifyLinear(nn.Linear):
@@ -215,7 +227,7 @@ class PackedVerifyLinear(nn.Linear):
 
 def _active(module: nn.Module, x: torch.Tensor) -> tuple["TargetPacks", int] | None:
     """(packs, rows to pad to) where `module`'s product of `x` runs packed: inside a scope, same dtype, no grad."""
-    active = _ACTIVE.get(id(module))
+    active = _scopes().get(id(module))
     if active is None or x.dtype != module.weight.dtype or torch.is_grad_enabled():
         return None
     return active
