@@ -93,11 +93,9 @@ def ways_and_policies(policies: list[str]) -> list[tuple[str, str]]:
 
 def use_gate_memory(target, drafter, memory) -> None:
     """Make `memory` (a `gate.GateMemory`) the one the draft gate of `drafter` on `target` carries across calls."""
-    import weakref
+    from dspark_hf.kernels.runtime import runtime_for
 
-    from dspark_hf.decoding import policy
-
-    policy._GATE_MEMORY[drafter] = (weakref.ref(target), memory)
+    runtime_for(target).gates[drafter] = memory
 
 
 def decode(target, drafter, ids, way: str, policy: str, temperature: float, new_tokens: int, seed: int, lookup: int):

@@ -12,16 +12,16 @@ demo's, plus the first 2 turns each of MT-Bench, GSM8K and HumanEval from `--eva
 
 import argparse
 import json
-import weakref
 from pathlib import Path
 
 import torch
 
 import dspark_hf
 from dspark_hf.cli.demo import DEMO_PROMPT
-from dspark_hf.decoding import gate, policy
+from dspark_hf.decoding import gate
 from dspark_hf.decoding.profiling import cpu_model
 from dspark_hf.evaluation.harness import timed_generate
+from dspark_hf.kernels.runtime import runtime_for
 from dspark_hf.utils.prompts import encode
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     memories = {"old": gate.GateMemory(), "new": gate.GateMemory()}
     timed_generate(target, prompts[0], 16)
     for memory in memories.values():  # warm-up, each variant's first call
-        policy._GATE_MEMORY[drafter] = (weakref.ref(target), memory)
+        runtime_for(target).gates[drafter] = memory
         timed_generate(target, prompts[0], 32, drafter)
     modes = ("plain", "old", "new")
     seconds, tokens, identical = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0), True
@@ -67,7 +67,7 @@ def main() -> None:
             tokens["plain"] += plain.numel()
             for variant in ("old", "new") if repeat % 2 == 0 else ("new", "old"):
                 original = forgetting(variant == "old")
-                policy._GATE_MEMORY[drafter] = (weakref.ref(target), memories[variant])
+                runtime_for(target).gates[drafter] = memories[variant]
                 try:
                     out, spent = timed_generate(target, ids, args.max_new_tokens, drafter)
                 finally:

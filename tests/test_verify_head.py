@@ -9,6 +9,7 @@ from torch import nn
 from clocks import FakeClock
 from conftest import make_drafter, make_target
 from dspark_hf.kernels import verify_head, verify_linears
+from dspark_hf.kernels.runtime import runtime_for
 from dspark_hf.kernels.verify_head import (
     VerifyHead,
     VerifyLinear,
@@ -229,7 +230,7 @@ def test_slow_kernels_are_dropped_and_output_stays_identical(monkeypatch):
     # the first verify measures the kernels (`VerifyKernels.ensure` -> `measure`) and every verify is timed: both on
     # the simulated clock
     monkeypatch.setattr(verify_linears, "measure", functools.partial(verify_linears.measure, clock=clock))
-    monkeypatch.setitem(verify_linears._CHOICES, target, verify_linears.VerifyKernels(clock=clock))
+    monkeypatch.setattr(runtime_for(target), "kernels", verify_linears.VerifyKernels(clock=clock))
     out = target.generate(ids, do_sample=False, max_new_tokens=40, assistant_model=drafter)
     assert torch.equal(out, plain)
     table = kernel_choice(target).table

@@ -34,6 +34,7 @@ import torch
 
 from ..kernels.freshness import drop_stale
 from ..kernels.lean_forward import run_target
+from ..kernels.runtime import runtime_for
 from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
@@ -100,6 +101,8 @@ class SpeculativeDecoder:
         self.policy = policy
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
         self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
+        # what is kept for this target on this machine (kernel ways, packs, threads, the gate's measurements)
+        self.runtime = runtime_for(target)
         self._selects = selects_hidden_states(target)
         self._linears = eligible_linears(target)  # kept here (never on the target) for `verify_kernels`
         # a dynamically quantized target's linears verify token by token, as its one-token steps run (weights.py)

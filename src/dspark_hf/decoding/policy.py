@@ -19,11 +19,11 @@ keeps a few best nodes (the top chain's first positions, mostly).
 import itertools
 import math
 import operator
-import weakref
 from collections.abc import Callable, Sequence
 
 from transformers.utils import logging
 
+from ..kernels.runtime import runtime_for
 from ..models.configuration_dspark import VERIFY_POLICIES
 from .gate import DraftGate, GateMemory
 from .scheduler import SPS, SPSCurve, prefix_schedule, settled_prefix_schedule
@@ -185,17 +185,14 @@ def covering_sps(sps: SPS, max_tokens: int) -> SPS:
     return lambda b: lookup(b) if b <= largest else table[largest] * largest / b
 
 
-# drafter -> (weak reference to its target, the gate's measurements): beside the models, never on them
-_GATE_MEMORY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def gate_memory(drafter, target) -> GateMemory:
-    """The draft gate's measurements for `drafter` on `target`, kept across `generate()` calls while both live (a
-    new target starts afresh)."""
-    held = _GATE_MEMORY.get(drafter)
-    if held is None or held[0]() is not target:
-        held = _GATE_MEMORY[drafter] = (weakref.ref(target), GateMemory())
-    return held[1]
+    """The draft gate's measurements for `drafter` on `target`, in the target's `TargetRuntime`: kept across
+    `generate()` calls while both live (a new target starts afresh), never on either model."""
+    gates = runtime_for(target).gates
+    memory = gates.get(drafter)
+    if memory is None:
+        memory = gates[drafter] = GateMemory()
+    return memory
 
 
 __all__ = ["VerifyPolicy", "covering_sps", "gate_memory"]

@@ -40,6 +40,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..utils.compat import only_capturing_hooks
+from .runtime import runtime_for
 from .verify_linears import fused_product
 
 
@@ -106,10 +107,6 @@ def _live(refs: list[weakref.ref]) -> list[nn.Module]:
     return [m for m in (r() for r in refs) if m is not None]
 
 
-# model -> its `_Plan`, made again when the signature changes
-_PLANS: "weakref.WeakKeyDictionary[nn.Module, _Plan]" = weakref.WeakKeyDictionary()
-
-
 def _structure(model: nn.Module) -> bool:
     """Whether `model` is a `*ForCausalLM` over a base model of `LAYERS` decoder layers, built as transformers builds
     them (the exact classes of the layers, their attentions and MLPs, attribute names, no sliding window in use, no
@@ -156,9 +153,10 @@ def _plan(model: nn.Module) -> "_Plan | None":
     if not ENABLED or torch.is_grad_enabled() or model.training:
         return None
     signature, skipped = _signature(model)
-    plan = _PLANS.get(model)
+    runtime = runtime_for(model)  # the plan is kept there, made again when the signature changes
+    plan = runtime.plan
     if plan is None or plan.signature != signature:
-        plan = _PLANS[model] = _Plan(model, signature, skipped)
+        plan = runtime.plan = _Plan(model, signature, skipped)
     return plan if plan.supported and only_capturing_hooks(plan.skipped) else None
 
 

@@ -25,10 +25,11 @@ columns of their products between threads, not the sums.
 
 import contextlib
 import time
-import weakref
 from collections.abc import Callable, Hashable
 
 import torch
+
+from .runtime import runtime_for
 
 
 ENABLED = True  # False: every round at the caller's count (for side-by-side timings)
@@ -134,18 +135,15 @@ class RoundThreads:
             self.record(kind, threads, self.clock() - start, full)
 
 
-_CHOICES: "weakref.WeakKeyDictionary[torch.nn.Module, RoundThreads]" = weakref.WeakKeyDictionary()
-
-
 def round_threads(model: torch.nn.Module) -> RoundThreads | None:
-    """The `RoundThreads` of a target (kept beside it while it lives, never on it), so that `generate()` calls go on
-    from what earlier ones measured instead of trying every count again; None while `ENABLED` is False."""
+    """The `RoundThreads` of a target (in its `TargetRuntime`, never on it), so that `generate()` calls go on from
+    what earlier ones measured instead of trying every count again; None while `ENABLED` is False."""
     if not ENABLED:
         return None
-    choice = _CHOICES.get(model)
-    if choice is None:
-        choice = _CHOICES[model] = RoundThreads()
-    return choice
+    runtime = runtime_for(model)
+    if runtime.threads is None:
+        runtime.threads = RoundThreads()
+    return runtime.threads
 
 
 __all__ = ["RoundThreads", "round_threads"]

@@ -27,7 +27,6 @@ Which linears: `verify_head.eligible_linears` (plain float32 CPU `nn.Linear`s), 
 import contextlib
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -38,6 +37,7 @@ from . import verify_head
 from .few_rows import version_counter
 from .fingerprint import read_once, same
 from .packed_linear import _check_available
+from .runtime import runtime_for
 from .verify_attention import routed
 from .verify_head import eligible_linears, step_scopes, swapped_linears, verify_kernels
 
@@ -251,16 +251,13 @@ def fused_product(members: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tens
     return group.product(x.reshape(rows, x.shape[-1]), pad_to).reshape(*x.shape[:-1], -1)
 
 
-_PACKS: "weakref.WeakKeyDictionary[nn.Module, TargetPacks]" = weakref.WeakKeyDictionary()
-
-
 def packs_for(model: nn.Module, linears: list[nn.Linear] | None = None) -> TargetPacks:
-    """The `TargetPacks` of `model`, kept beside it while it lives (copies are made on first use). Packs for linears
-    the model no longer holds are dropped once per call by `stale_packs`, not here: this runs at every verify."""
-    packs = _PACKS.get(model)
-    if packs is None:
-        packs = _PACKS[model] = TargetPacks.of(model, linears)
-    return packs
+    """The `TargetPacks` of `model`, in its `TargetRuntime` (copies are made on first use). Packs for linears the
+    model no longer holds are dropped once per call by `stale_packs`, not here: this runs at every verify."""
+    runtime = runtime_for(model)
+    if runtime.packs is None:
+        runtime.packs = TargetPacks.of(model, linears)
+    return runtime.packs
 
 
 def _same_modules(a: list[nn.Module], b: list[nn.Module]) -> bool:
@@ -270,18 +267,20 @@ def _same_modules(a: list[nn.Module], b: list[nn.Module]) -> bool:
 def stale_packs(model: nn.Module, fingerprints: dict) -> int:
     """Drop `model`'s packs for linears it no longer holds as packed (swapped, wrapped, another dtype) and the
     packed copies whose weights' values changed; returns how many copies were dropped."""
-    packs = _PACKS.get(model)
+    runtime = runtime_for(model)
+    packs = runtime.packs
     if packs is None:
         return 0
     if not _same_modules(packs.members(), eligible_linears(model)):
-        del _PACKS[model]
+        runtime.packs = None
         return len(packs.groups)
     return packs.drop_stale(fingerprints)
 
 
 def free_packs(model: nn.Module) -> int:
     """Drop `model`'s packed copies; returns the bytes freed. The next packed verify makes them again."""
-    packs = _PACKS.pop(model, None)
+    runtime = runtime_for(model)
+    packs, runtime.packs = runtime.packs, None
     return packs.nbytes if packs is not None else 0
 
 
@@ -545,15 +544,12 @@ class VerifyKernels:
             self.record(rows, way, self.clock() - start)
 
 
-_CHOICES: "weakref.WeakKeyDictionary[nn.Module, VerifyKernels]" = weakref.WeakKeyDictionary()
-
-
 def kernel_choice(model: nn.Module) -> VerifyKernels:
-    """The `VerifyKernels` of `model` (kept beside the model while it lives, never on it)."""
-    choice = _CHOICES.get(model)
-    if choice is None:
-        choice = _CHOICES[model] = VerifyKernels()
-    return choice
+    """The `VerifyKernels` of `model` (in its `TargetRuntime`, never on the model)."""
+    runtime = runtime_for(model)
+    if runtime.kernels is None:
+        runtime.kernels = VerifyKernels()
+    return runtime.kernels
 
 
 def measured_steps(model: nn.Module):
