@@ -28,6 +28,7 @@ MODULES = (
     "kernels.fingerprint",
     "kernels.few_rows",
     "kernels.weights",
+    "kernels.runtime",
     "kernels.packed_linear",
     "kernels.verify_attention",
     "kernels.verify_head",
