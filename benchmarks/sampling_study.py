@@ -35,7 +35,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -54,16 +53,6 @@ POLICIES = ("scheduler", "fixed")
 SETS = ("mt-bench", "humaneval", "gsm8k", "math500", "mbpp", "arena-hard-v2")
 WARMUP_TOKENS = 16
 PROFILE_TOKENS = 17  # verifies up to a 16-node tree and its anchor
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def load_prompts(eval_dir: Path, name: str, count: int, tokenizer) -> list:
@@ -139,10 +128,11 @@ KEYS = ("set", "temperature", "way", "policy", "prompt")
 
 def run(args) -> None:
     import dspark_hf
+    from dspark_hf.decoding.profiling import cpu_model
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = json.loads(out.read_text()) if out.exists() else {"cpu": cpu_name(), "cells": []}
+    done = json.loads(out.read_text()) if out.exists() else {"cpu": cpu_model(), "cells": []}
     seen = {tuple(c[k] for k in KEYS) for c in done["cells"]}
     target, tokenizer, drafter = dspark_hf.load_default()
     drafter.sps_profile = machine_profile(target, out.with_name("sps_profile.json"))
