@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 from dspark_hf import load_default
 from dspark_hf.evaluation.long_context import long_context_prompt
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.verify_attention import routed
 from dspark_hf.training import block_attention_mask
 from dspark_hf.utils.prompts import encode
@@ -329,20 +330,19 @@ def part_cost(args):
 
 def part_routing(args):
     """The shipped drafter on the two 4k prompts (48 new tokens) with the verify's attention routed through SDPA's
-    own GQA whatever the kernel choice (now) and with it bundled with the products (`verify_attention.ENABLED`
+    own GQA whatever the kernel choice (now) and with it bundled with the products (`OPTIONS.verify_attention`
     False stands for the old behaviour where the choice drops the products), back to back in one process."""
     from dspark_hf.evaluation.harness import run_evaluation
-    from dspark_hf.kernels import verify_attention
 
     target, tokenizer, drafter = load(args)
     records = [long_context_prompt(tokenizer, 4096, i) for i in range(2)]
     rows = {}
     for label, enabled in (("bundled", False), ("routed", True)):
-        verify_attention.ENABLED = enabled
+        OPTIONS.verify_attention = enabled
         run = run_evaluation(target, tokenizer, {"d": drafter}, {"ctx-4k": records}, 48, progress=False)["runs"][0]
         rows[label] = {k: run[k] for k in ("acceptance_length", "speedup", "round_ms", "all_identical")}
         print(label, rows[label], flush=True)
-    verify_attention.ENABLED = True
+    OPTIONS.verify_attention = True
     from dspark_hf.kernels.verify_linears import kernel_choice
 
     table = kernel_choice(target).table

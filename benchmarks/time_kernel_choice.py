@@ -5,7 +5,7 @@
 
 For every prompt, in turn: plain greedy `generate()`, the shipped drafter with the target's linears the way measured
 on this machine (`verify_linears.kernel_choice`, the default: measured once per target) and the same drafter with the
-few-row products on for every verify (`verify_linears.FORCE = "few rows"`, the behaviour before any choice). Every
+few-row products on for every verify (`OPTIONS.verify_way = "few rows"`, the behaviour before any choice). Every
 output is checked against plain greedy. Prints tok/s and the ratios; writes them, and the choice made, as JSON.
 """
 
@@ -18,6 +18,7 @@ import torch
 import dspark_hf
 from dspark_hf.evaluation.harness import parse_datasets, timed_generate
 from dspark_hf.kernels import verify_linears
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.utils.prompts import encode, read_prompts
 
 
@@ -37,11 +38,11 @@ def main() -> None:
 
     def always_on(ids):
         """The drafter with every verify on the few-row products."""
-        verify_linears.FORCE = "few rows"
+        OPTIONS.verify_way = "few rows"
         try:
             return timed_generate(target, ids, args.max_new_tokens, drafter)
         finally:
-            verify_linears.FORCE = None
+            OPTIONS.verify_way = None
 
     modes = {
         "plain": lambda ids: timed_generate(target, ids, args.max_new_tokens),

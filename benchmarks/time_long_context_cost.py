@@ -7,8 +7,8 @@
 
 `prefill`: one `generate()` of a single new token on the long-context prompt of that length (prompt 0 of
 `evaluation.long_context`), plain (transformers alone) and with the shipped drafter, the drafter's run once as it was
-(every layer's hidden states kept, `core.SELECT_HIDDEN_STATES = False`; `DynamicCache` layers,
-`ragged_cache.IN_PLACE = False`) and once as it is; the three interleaved, median of `--repeats`.
+(every layer's hidden states kept, `OPTIONS.select_hidden_states = False`; `DynamicCache` layers,
+`OPTIONS.in_place_cache = False`) and once as it is; the three interleaved, median of `--repeats`.
 
 `steps`: over the prompt's cache, a plain one-token step as `generate()` takes it and a round's verify of width
 1, 2, 4 and 8 as `SpeculativeDecoder._verify` runs it (the 2-D mask, positions, the tapped hidden states, the
@@ -38,10 +38,11 @@ import torch
 from transformers import DynamicCache
 
 from dspark_hf import load_default
-from dspark_hf.decoding import core, ragged_cache
+from dspark_hf.decoding import ragged_cache
 from dspark_hf.decoding.profiling import cpu_model
 from dspark_hf.evaluation.long_context import long_context_prompt, parse_context_lengths
 from dspark_hf.kernels import verify_attention
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.verify_attention import routed
 from dspark_hf.utils.prompts import encode
 
@@ -75,12 +76,12 @@ def round_robin(runs: dict, repeats: int) -> dict:
 @contextlib.contextmanager
 def old_path(old: bool):
     """The code as it was (every hidden state, concatenating caches) while `old`, restored on exit."""
-    saved = core.SELECT_HIDDEN_STATES, ragged_cache.IN_PLACE
-    core.SELECT_HIDDEN_STATES, ragged_cache.IN_PLACE = not old, not old
+    saved = OPTIONS.select_hidden_states, OPTIONS.in_place_cache
+    OPTIONS.select_hidden_states, OPTIONS.in_place_cache = not old, not old
     try:
         yield
     finally:
-        core.SELECT_HIDDEN_STATES, ragged_cache.IN_PLACE = saved
+        OPTIONS.select_hidden_states, OPTIONS.in_place_cache = saved
 
 
 @torch.no_grad()

@@ -17,7 +17,8 @@ import torch
 from transformers import DynamicCache
 
 from dspark_hf.default import load_default_target
-from dspark_hf.kernels import verify_attention, verify_head
+from dspark_hf.kernels import verify_head
+from dspark_hf.kernels.options import OPTIONS
 
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -39,7 +40,7 @@ def main() -> None:
     times = {(what, k, mode): [] for what, kinds in modes.items() for k in WIDTHS for mode in kinds}
 
     def run(what, k, mode):
-        verify_attention.ENABLED = mode == "both"
+        OPTIONS.verify_attention = mode == "both"
         scope = verify_head.verify_kernels(target) if mode != "linear" else contextlib.nullcontext()
         start = time.perf_counter()
         with scope:
@@ -56,7 +57,7 @@ def main() -> None:
         if i == 1:
             for values in times.values():
                 values.clear()
-    verify_attention.ENABLED = True
+    OPTIONS.verify_attention = True
     print(
         f"{'width':>5}  {'LM head: linear':>15}  {'few rows':>8}  {'forward: linear':>15}  {'few rows':>8}  "
         f"{'+ GQA':>8}"

@@ -6,9 +6,9 @@ import torch
 from transformers import DynamicCache
 
 from conftest import make_drafter, make_target
-from dspark_hf.decoding import core, ragged_cache
 from dspark_hf.decoding.core import SpeculativeDecoder
 from dspark_hf.decoding.ragged_cache import AppendCache, AppendLayer, RaggedCache
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.utils.compat import selects_hidden_states
 
 
@@ -124,7 +124,7 @@ def test_the_prefill_and_verify_keep_only_the_tapped_hidden_states(monkeypatch):
     out = {}
     try:
         for select in (True, False):
-            monkeypatch.setattr(core, "SELECT_HIDDEN_STATES", select)
+            monkeypatch.setattr(OPTIONS, "select_hidden_states", select)
             out[select] = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter)
     finally:
         handle.remove()
@@ -137,7 +137,7 @@ def test_the_cache_path_as_it_was_gives_the_same_tokens(monkeypatch, target, dra
     ids = torch.randint(0, 99, (2, 9))
     out = {}
     for in_place in (True, False):
-        monkeypatch.setattr(ragged_cache, "IN_PLACE", in_place)
+        monkeypatch.setattr(OPTIONS, "in_place_cache", in_place)
         out[in_place] = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter)
     plain = target.generate(ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(out[True], plain) and torch.equal(out[False], plain)

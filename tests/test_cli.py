@@ -11,6 +11,7 @@ import torch
 from conftest import make_drafter, make_target
 from dspark_hf.cli import main
 from dspark_hf.kernels import packed_linear, threads
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.utils.prompts import read_prompts
 from helpers import char_tokenizer, pin_drafter
 
@@ -86,7 +87,7 @@ def test_real_smollm2_target_is_lossless_with_untrained_and_oracle_drafters():
 
 
 def test_demo_prints_the_reply_and_times_alternating_runs(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(threads, "ENABLED", False)  # every round at torch's thread count (timed tiny rounds vary)
+    monkeypatch.setattr(OPTIONS, "round_threads", False)  # every round at torch's thread count (tiny rounds vary)
     target = make_target()
     target.save_pretrained(tmp_path / "target")
     tokenizer = char_tokenizer(99)
@@ -107,7 +108,7 @@ def test_demo_prints_the_reply_and_times_alternating_runs(tmp_path, capsys, monk
     assert any(message in out for message in baseline) and "fewer threads" not in out
     # rounds that measured faster at one thread (a busy machine): said, and the padded baseline is not read as
     # what speculation buys, since it keeps every thread
-    monkeypatch.setattr(threads, "ENABLED", True)
+    monkeypatch.setattr(OPTIONS, "round_threads", True)
     monkeypatch.setattr(threads.RoundThreads, "pick", lambda self, kind, full: 1)
     assert main(["demo", "--prompt", "Hi", "--max-new-tokens", "6", "--repeats", "2", *models]) == 0
     out = capsys.readouterr().out

@@ -10,10 +10,10 @@ from torch import nn
 
 from conftest import make_drafter, make_target
 from dspark_hf import Engine
-from dspark_hf.kernels import verify_linears
 from dspark_hf.kernels.few_rows import gathered_rows, kept_copies
 from dspark_hf.kernels.fingerprint import fingerprint, same
 from dspark_hf.kernels.freshness import drop_stale
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.verify_linears import packable, packs_for
 
 
@@ -143,7 +143,7 @@ EDITS = {
 @needs_packing
 @pytest.mark.parametrize("edit", EDITS)
 def test_the_second_call_after_an_edit_is_the_edited_targets_plain_greedy(monkeypatch, edit):
-    monkeypatch.setattr(verify_linears, "FORCE", "packed")  # every verify and plain round through the packed copies
+    monkeypatch.setattr(OPTIONS, "verify_way", "packed")  # every verify and plain round through the packed copies
     target = make_target(attn_implementation="sdpa", tie_word_embeddings=True, initializer_range=0.5)
     drafter = make_drafter(target, verify_policy="fixed")
     ids = torch.randint(0, 99, (2, 7))
@@ -158,7 +158,7 @@ def test_the_second_call_after_an_edit_is_the_edited_targets_plain_greedy(monkey
 
 @needs_packing
 def test_a_dtype_move_drops_the_packs_and_stays_exact(monkeypatch):
-    monkeypatch.setattr(verify_linears, "FORCE", "packed")
+    monkeypatch.setattr(OPTIONS, "verify_way", "packed")
     target = make_target(attn_implementation="sdpa")
     drafter = make_drafter(target, verify_policy="fixed")
     ids = torch.randint(0, 99, (1, 7))
@@ -177,7 +177,7 @@ def test_a_dtype_move_drops_the_packs_and_stays_exact(monkeypatch):
 
 @needs_packing
 def test_the_engine_sees_an_edit_made_while_it_was_idle(monkeypatch):
-    monkeypatch.setattr(verify_linears, "FORCE", "packed")
+    monkeypatch.setattr(OPTIONS, "verify_way", "packed")
     target = make_target(attn_implementation="sdpa")
     engine = Engine(target, make_drafter(target, verify_policy="fixed"), max_batch_size=2)
     prompts = [torch.randint(0, 99, (7,)).tolist() for _ in range(2)]
@@ -194,7 +194,7 @@ def test_the_engine_sees_an_edit_made_while_it_was_idle(monkeypatch):
 @needs_packing
 def test_peft_lora_before_and_after_merge_and_unload(monkeypatch):
     peft = pytest.importorskip("peft")
-    monkeypatch.setattr(verify_linears, "FORCE", "packed")
+    monkeypatch.setattr(OPTIONS, "verify_way", "packed")
     target = make_target(attn_implementation="sdpa")
     drafter = make_drafter(target, verify_policy="fixed")
     ids = torch.randint(0, 99, (1, 7))

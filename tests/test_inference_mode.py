@@ -10,7 +10,8 @@ from transformers import pipeline
 
 from conftest import make_drafter, make_target
 from dspark_hf import Engine
-from dspark_hf.kernels import verify_attention, verify_linears
+from dspark_hf.kernels import verify_attention
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.verify_attention import routed, verify_sdpa_attention_forward
 from helpers import char_tokenizer
 
@@ -40,7 +41,7 @@ def sdpa_pair(**drafter_overrides):
 @pytest.mark.parametrize("way", ["linear", "few rows", "packed"])
 @pytest.mark.parametrize("matmul_rows", [24, 0])  # the bias of two products, or the packed heads' repeated mask
 def test_generate_under_each_mode_is_plain_greedy(monkeypatch, kernels_seen, mode, way, matmul_rows):
-    monkeypatch.setattr(verify_linears, "FORCE", way)
+    monkeypatch.setattr(OPTIONS, "verify_way", way)
     monkeypatch.setattr(verify_attention, "MATMUL_ROWS", matmul_rows)
     target, drafter = sdpa_pair()
     ids = torch.randint(0, 99, (2, 7))
@@ -91,7 +92,7 @@ def test_trees_under_each_mode_are_plain_greedy(kernels_seen, mode):
 def test_modes_in_turn_on_the_same_models(monkeypatch):
     """Kernel state kept between calls (packed weights, measured choices, kept copies) made under one mode serves
     the other: inference mode, no_grad, inference mode again, each plain greedy."""
-    monkeypatch.setattr(verify_linears, "FORCE", "packed")
+    monkeypatch.setattr(OPTIONS, "verify_way", "packed")
     target, drafter = sdpa_pair()
     ids = torch.randint(0, 99, (1, 7))
     plain = target.generate(ids, do_sample=False, max_new_tokens=20)

@@ -23,6 +23,7 @@ from transformers import (
 from conftest import make_drafter, make_target
 from dspark_hf.decoding.ragged_cache import AppendCache
 from dspark_hf.kernels import lean_forward, verify_linears
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.verify_linears import kernel_choice
 
 
@@ -45,13 +46,13 @@ def scope(model, way, rows):
     if way is None:
         yield
         return
-    old = verify_linears.FORCE
-    verify_linears.FORCE = way
+    old = OPTIONS.verify_way
+    OPTIONS.verify_way = way
     try:
         with kernel_choice(model).verify(model, rows):
             yield
     finally:
-        verify_linears.FORCE = old
+        OPTIONS.verify_way = old
 
 
 def round_inputs(batch=2, cached=9, width=4, vocab=99):
@@ -219,12 +220,12 @@ def test_other_models_and_states_run_their_own_forward():
         assert not lean_forward.supports(llama)
         llama.eval()
     assert not lean_forward.supports(llama)  # gradients on
-    lean_forward.ENABLED = False
+    OPTIONS.lean_forward = False
     try:
         with torch.no_grad():
             assert not lean_forward.supports(llama)
     finally:
-        lean_forward.ENABLED = True
+        OPTIONS.lean_forward = True
 
 
 def test_hooks_other_than_transformers_capture_send_it_to_the_models_forward():
@@ -314,7 +315,7 @@ def test_a_module_wrapped_after_a_first_generate(monkeypatch, wrapper, part, way
     is plain greedy of the wrapped model, with the wrapper called. Wrapped layers, attentions and MLPs send the round
     to the model's own forward; modules the lean forward calls as modules (norms, linears, the embedding, the LM
     head) stay on the lean path."""
-    monkeypatch.setattr(verify_linears, "FORCE", way)
+    monkeypatch.setattr(OPTIONS, "verify_way", way)
     target = make_target(attn_implementation="sdpa")
     drafter = make_drafter(target, verify_policy="fixed")
     ran = []

@@ -11,6 +11,7 @@ from conftest import make_drafter, make_target
 from dspark_hf.evaluation.harness import load_assistant
 from dspark_hf.kernels import packed_linear
 from dspark_hf.kernels.few_rows import kept_copies
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.packed_linear import PackedLinear, inference_dtype, pack_linears, packed_count
 
 
@@ -65,7 +66,7 @@ def test_pack_linears_is_idempotent_and_skips_what_it_must():
 @needs_packing
 def test_disabled_packing_uses_the_plain_linear(monkeypatch):
     layer = packed_copy(nn.Linear(8, 8))
-    monkeypatch.setattr(packed_linear, "ENABLED", False)
+    monkeypatch.setattr(OPTIONS, "packed_linear", False)
     with torch.no_grad():
         layer(torch.randn(2, 8))
     assert packed_count(layer) == 0

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from dspark_hf.kernels import threads, verify_linears
+from dspark_hf.kernels import threads
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.threads import RoundThreads, round_threads
 
 
@@ -111,7 +112,7 @@ def test_generate_follows_a_load_that_slows_two_threads(two_threads, monkeypatch
 
     The rounds are timed on a fake clock that only the target's forwards move (10 ms at one thread, 50 ms at two), so
     neither the machine's load nor its speed can change what is measured."""
-    monkeypatch.setattr(verify_linears, "FORCE", "linear")  # no verify kernel on trial: every round is measured
+    monkeypatch.setattr(OPTIONS, "verify_way", "linear")  # no verify kernel on trial: every round is measured
     clock = {"now": 0.0}
     monkeypatch.setattr(threads, "RoundThreads", functools.partial(RoundThreads, clock=lambda: clock["now"]))
     target = make_target()
@@ -137,7 +138,7 @@ def test_generate_follows_a_load_that_slows_two_threads(two_threads, monkeypatch
         assert torch.equal(out, plain) and round_threads(target) is round_threads(target)
         assert counts[1] == 1 and counts[1:].count(1) >= len(counts) - 3  # the next call goes on at one thread
         counts.clear()
-        monkeypatch.setattr(threads, "ENABLED", False)
+        monkeypatch.setattr(OPTIONS, "round_threads", False)
         out = target.generate(ids, do_sample=False, max_new_tokens=30, assistant_model=drafter)
         assert torch.equal(out, plain) and set(counts) == {2}
     finally:

@@ -18,6 +18,7 @@ from transformers.integrations import sdpa_attention
 
 from conftest import make_drafter, make_target
 from dspark_hf.kernels import verify_attention, verify_head
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.verify_attention import ATTN_IMPLEMENTATION, routable, verify_sdpa_attention_forward
 from dspark_hf.kernels.verify_head import padded_steps, verify_kernels
 from dspark_hf.kernels.verify_linears import KernelTable, VerifyKernels
@@ -236,7 +237,7 @@ def test_routed_only_while_verifying():
 def test_switch_off(monkeypatch):
     target = sdpa_target()
     assert verify_head.version(target) == verify_head.VERSION == 5
-    monkeypatch.setattr(verify_attention, "ENABLED", False)
+    monkeypatch.setattr(OPTIONS, "verify_attention", False)
     with verify_kernels(target):
         assert target.config._attn_implementation == "sdpa"
     assert verify_head.version(target) == 2  # profiles taken now record the kernels without the attention
@@ -258,7 +259,7 @@ def test_verify_logits_unchanged(monkeypatch, family):
         with verify_kernels(target):
             routed = target(ids[:, 6:], cache=cache, use_cache=True).logits
         cache.crop(-3)
-        monkeypatch.setattr(verify_attention, "ENABLED", False)
+        monkeypatch.setattr(OPTIONS, "verify_attention", False)
         with verify_kernels(target):
             plain = target(ids[:, 6:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(routed, plain, rtol=0, atol=1e-6)

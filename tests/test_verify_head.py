@@ -9,6 +9,7 @@ from torch import nn
 from clocks import FakeClock
 from conftest import make_drafter, make_target
 from dspark_hf.kernels import verify_head, verify_linears
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.runtime import runtime_for
 from dspark_hf.kernels.verify_head import (
     VerifyHead,
@@ -71,7 +72,7 @@ def test_few_rows_only_while_verifying(monkeypatch):
         model(torch.randn(2, 2, 8))  # 4 rows over two sequences
     assert calls == [(8, 2), (8, 2), (8, 5), (8, 4)]  # one row runs as two (a matrix-vector product can be slow)
     model(torch.randn(1, 3, 8))
-    monkeypatch.setattr(verify_head, "ENABLED", False)
+    monkeypatch.setattr(OPTIONS, "verify_head", False)
     with verify_kernels(model):
         model(torch.randn(1, 3, 8))
     assert len(calls) == 4
@@ -120,7 +121,7 @@ def test_generate_leaves_the_target_as_it_found_it(attn):
 
 
 def test_generate_verifies_with_few_rows_and_stays_identical(monkeypatch):
-    monkeypatch.setattr(verify_linears, "FORCE", "few rows")  # every verify with the few-row products
+    monkeypatch.setattr(OPTIONS, "verify_way", "few rows")  # every verify with the few-row products
     calls = count_calls(monkeypatch)
     target = make_target()
     drafter = make_drafter(target, verify_policy="fixed")
@@ -141,7 +142,7 @@ def test_generate_verifies_with_few_rows_and_stays_identical(monkeypatch):
 
 
 def test_engine_verifies_with_few_rows(monkeypatch):
-    monkeypatch.setattr(verify_linears, "FORCE", "few rows")
+    monkeypatch.setattr(OPTIONS, "verify_way", "few rows")
     calls = count_calls(monkeypatch)
     target = make_target()
     prompt = torch.randint(0, 99, (5,)).tolist()
@@ -212,7 +213,7 @@ def test_slow_kernels_are_dropped_and_output_stays_identical(monkeypatch):
     """Few-row products made 50 ms slower per LM-head product (packing off) on a simulated clock that moves only by
     those 50 ms, so the machine's load cannot change what is measured: the measurement keeps them out of every
     verify; the tokens are plain decoding's throughout, and the choice lives beside the target."""
-    monkeypatch.setattr(verify_linears, "ENABLED", False)
+    monkeypatch.setattr(OPTIONS, "packs", False)
     target = make_target()
     drafter = make_drafter(target, verify_policy="fixed")
     ids = torch.randint(0, 99, (1, 7))

@@ -7,6 +7,7 @@ from torch import nn
 
 from conftest import make_drafter, make_target
 from dspark_hf.kernels import verify_linears
+from dspark_hf.kernels.options import OPTIONS
 from dspark_hf.kernels.verify_attention import ATTN_IMPLEMENTATION
 from dspark_hf.kernels.verify_linears import (
     KernelTable,
@@ -120,7 +121,7 @@ def test_packed_copies_follow_weight_updates():
 @needs_packing
 @pytest.mark.parametrize("batch", [1, 3])
 def test_generate_with_packed_verifies_is_identical_to_plain_greedy(monkeypatch, batch):
-    monkeypatch.setattr(verify_linears, "FORCE", "packed")
+    monkeypatch.setattr(OPTIONS, "verify_way", "packed")
     target = make_target(attn_implementation="sdpa")
     drafter = make_drafter(target, verify_policy="fixed")
     ids = torch.randint(0, 99, (batch, 7))
@@ -213,7 +214,7 @@ def test_two_threads_decoding_on_one_target_each_get_plain_greedy(monkeypatch, f
     other's, so each output is the target's own greedy one."""
     import threading
 
-    monkeypatch.setattr(verify_linears, "FORCE", force)
+    monkeypatch.setattr(OPTIONS, "verify_way", force)
     target = make_target(vocab_size=99, num_layers=4).eval()
     drafters = [make_drafter(target, seed=s) for s in (1, 2)]
     prompts = [torch.randint(0, 99, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]

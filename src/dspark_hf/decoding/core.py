@@ -34,6 +34,7 @@ import torch
 
 from ..kernels.freshness import drop_stale
 from ..kernels.lean_forward import run_target
+from ..kernels.options import OPTIONS
 from ..kernels.runtime import runtime_for
 from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
@@ -50,9 +51,6 @@ from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, accept_standard_rows, choose_tokens, process_logits
 from .stats import RECORDERS, DraftRound
 from .trees import slot_parents, slot_paths, tree_attention_mask
-
-
-SELECT_HIDDEN_STATES = True  # False: ask the target for every layer's hidden states (for side-by-side timings)
 
 
 class SpeculativeDecoder:
@@ -468,7 +466,7 @@ class SpeculativeDecoder:
         positions 31 layers of SmolLM2 are 0.6 GB, the drafter's 5 taps 0.1 GB), else all or none."""
         if every_layer or not self.taps:
             return every_layer
-        return list(self.taps) if SELECT_HIDDEN_STATES and self._selects else True
+        return list(self.taps) if OPTIONS.select_hidden_states and self._selects else True
 
     def _features(self, out) -> torch.Tensor:
         """Tapped target layers, concatenated in `target_layer_ids` order: (B, L, m·d)."""

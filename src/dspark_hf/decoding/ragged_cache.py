@@ -19,8 +19,9 @@ positions on SmolLM2-135M).
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ..kernels.options import OPTIONS
 
-IN_PLACE = True  # False: the cache path as it was, for side-by-side timings (`DynamicLayer`s, copied on admission)
+
 SPARE_SLOTS = 256  # an AppendLayer's buffer holds at least this many slots, and a quarter more, beyond its tokens
 
 
@@ -53,7 +54,7 @@ class AppendCache(DynamicCache):
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         super().__init__()
-        self.layer_class_to_replicate = AppendLayer if IN_PLACE else DynamicLayer
+        self.layer_class_to_replicate = AppendLayer if OPTIONS.in_place_cache else DynamicLayer
         for key, value in layers or ():
             layer = self.layer_class_to_replicate()
             layer.update(key, value)
@@ -153,7 +154,7 @@ class RaggedCache:
         A side without K/V yet (a new request's empty drafter context) contributes all-hole rows. Joining an empty
         cache takes `other`'s tensors as they are (no copy): `other` must not be used afterwards.
         """
-        if not self.batch_size and IN_PLACE:
+        if not self.batch_size and OPTIONS.in_place_cache:
             self.cache, self.valid = other.cache, other.valid
             return
         slots = max(self.num_slots, other.num_slots)

@@ -25,6 +25,7 @@ MODULES = (
     "utils.checkpoints",
     "utils.compat",
     "utils.devices",
+    "kernels.options",
     "kernels.fingerprint",
     "kernels.few_rows",
     "kernels.weights",

@@ -20,8 +20,8 @@ window in use, in inference (no grad, eval mode), with no hooks on the modules i
 capturing (checked again when a module it reaches is swapped or wrapped, e.g. an adapter or a debugging wrapper put on
 an MLP after a first `generate()`), and to the inputs a round passes (`input_ids`, a 2-D or 4-D mask, `position_ids`, a
 cache, the hidden states wanted). Everything else runs the model's own forward: `run_target(model, **inputs)` picks.
-`ENABLED = False` turns it off (side-by-side timings, or a model whose modeling code changed under the same class
-names).
+`OPTIONS.lean_forward = False` turns it off (side-by-side timings, or a model whose modeling code changed under
+the same class names).
 
 The hidden states come back as transformers returns them: index 0 the embeddings, i the output of layer i, the last
 the final norm's output; a list of indices keeps those and leaves None elsewhere, as a model that records its
@@ -40,11 +40,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..utils.compat import only_capturing_hooks
+from .options import OPTIONS
 from .runtime import runtime_for
 from .verify_linears import fused_product
 
 
-ENABLED = True
 # decoder-layer class name -> the attention's extra keyword (None: Llama passes none); checked by exact class, from
 # the modeling module of the model's own package
 LAYERS = {
@@ -150,7 +150,7 @@ def supports(model: nn.Module) -> bool:
 
 def _plan(model: nn.Module) -> "_Plan | None":
     """The model's `_Plan` where `forward` can stand in for it now, else None."""
-    if not ENABLED or torch.is_grad_enabled() or model.training:
+    if not OPTIONS.lean_forward or torch.is_grad_enabled() or model.training:
         return None
     signature, skipped = _signature(model)
     runtime = runtime_for(model)  # the plan is kept there, made again when the signature changes
@@ -436,4 +436,4 @@ def _wanted(output_hidden_states: bool | list[int], count: int) -> set[int]:
     return {i % count for i in output_hidden_states if -count <= i < count}
 
 
-__all__ = ["ENABLED", "LAYERS", "forward", "run_target", "supports"]
+__all__ = ["LAYERS", "forward", "run_target", "supports"]

@@ -14,7 +14,8 @@ target's LM-head rows a drafter borrows.
 
 Packing uses two private torch operators (`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`, what
 torch's inductor uses for CPU linears). They are only used from this module, behind a one-time check that they exist
-and agree with `F.linear`; without them everything takes `F.linear`. Set `ENABLED = False` to turn packing off.
+and agree with `F.linear`; without them everything takes `F.linear`. Set `OPTIONS.packed_linear = False` to turn
+packing off.
 """
 
 import functools
@@ -24,12 +25,12 @@ from torch import nn
 from transformers.utils import logging
 
 from .few_rows import kept_copies, kept_copy, linear_few_rows, version_counter
+from .options import OPTIONS
 from .weights import computes_with_weight, plain_tensor
 
 
 logger = logging.get_logger(__name__)
 
-ENABLED = True
 MAX_ROWS = 64  # beyond this many rows (training batches, long prefills) `F.linear` is as good
 BATCH_HINT = 4  # the row count oneDNN tunes the packed layout for; 1–16 rows all run near memory speed with it
 FEW_ROWS_FLOAT32 = 4  # float32 up to this many rows: `linear_few_rows`, faster than prepacked for a few head rows
@@ -71,7 +72,7 @@ def inference_dtype(device: torch.device | str = "cpu", target_dtype: torch.dtyp
 
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        ENABLED
+        OPTIONS.packed_linear
         and not torch.is_grad_enabled()
         and plain_tensor(weight)  # no tensor subclass (torchao) or quantized weight: kernels/weights.py
         and weight.device.type == "cpu"

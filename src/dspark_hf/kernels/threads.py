@@ -29,10 +29,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from .options import OPTIONS
 from .runtime import runtime_for
-
-
-ENABLED = True  # False: every round at the caller's count (for side-by-side timings)
 
 
 class RoundThreads:
@@ -137,8 +135,9 @@ class RoundThreads:
 
 def round_threads(model: torch.nn.Module) -> RoundThreads | None:
     """The `RoundThreads` of a target (in its `TargetRuntime`, never on it), so that `generate()` calls go on from
-    what earlier ones measured instead of trying every count again; None while `ENABLED` is False."""
-    if not ENABLED:
+    what earlier ones measured instead of trying every count again; None while `OPTIONS.round_threads` is off
+    (every round at the caller's count)."""
+    if not OPTIONS.round_threads:
         return None
     runtime = runtime_for(model)
     if runtime.threads is None:

@@ -16,7 +16,7 @@ transformers does for a single query.
 `AttentionMaskInterface` (sdpa's mask). `with routed(model):` points a target whose `config._attn_implementation`
 is "sdpa" at it for one verify pass and restores "sdpa" on exit (`verify_head.verify_kernels` does this). Outside a
 verify pass the model is untouched; within one, everything but GQA on the CPU with a mask or a single query still
-goes to transformers' own `sdpa_attention_forward`. Set `ENABLED = False` to turn it off.
+goes to transformers' own `sdpa_attention_forward`. Set `OPTIONS.verify_attention = False` to turn it off.
 """
 
 import contextlib
@@ -28,9 +28,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .few_rows import version_counter
+from .options import OPTIONS
 
 
-ENABLED = True
 ATTN_IMPLEMENTATION = "dspark_verify_sdpa"
 # a round's query heads are packed per key/value head up to this many rows of one product (queries x heads per key/
 # value head), SDPA's GQA beyond: on 2 threads of an AMD EPYC, packing made the attention of 2-4 queries over an 8k
@@ -196,8 +196,9 @@ def routable(model) -> bool:
 @contextlib.contextmanager
 def routed(model):
     """Within the block, an "sdpa" model that `routable` accepts attends through `ATTN_IMPLEMENTATION`; its config
-    is restored on exit (also after an exception). Any other model, or `ENABLED = False`, is left alone."""
-    if not (ENABLED and routable(model)) or model.config._attn_implementation == ATTN_IMPLEMENTATION:
+    is restored on exit (also after an exception). Any other model, or `OPTIONS.verify_attention` off, is left
+    alone."""
+    if not (OPTIONS.verify_attention and routable(model)) or model.config._attn_implementation == ATTN_IMPLEMENTATION:
         yield
         return
     model.config._attn_implementation = ATTN_IMPLEMENTATION

@@ -15,9 +15,9 @@ bf16 linears (oneDNN) and GPU linears do not have the problem, and are left alon
 for the LM head, `MAX_ROWS` for the other linears), and an "sdpa" target's attention reads its key/value cache
 unrepeated (`verify_attention.py`). On leaving it, normally or by an exception, every module class and the config are
 exactly what they were: nothing is left on the user's model between passes. The two products agree to float
-rounding (the summation order differs, as it already does between any two batch sizes). Set `ENABLED = False` to
-turn it off. Whether a verify of n rows runs these products, oneDNN's packed weights or transformers' own linears is
-measured per machine (`verify_linears.py`).
+rounding (the summation order differs, as it already does between any two batch sizes). Set
+`OPTIONS.verify_head = False` to turn it off. Whether a verify of n rows runs these products, oneDNN's packed weights
+or transformers' own linears is measured per machine (`verify_linears.py`).
 
 `padded_steps(model)` is the kernel-neutral baseline that `dspark-hf bench` sets beside plain decoding: within it,
 every one-token decoding step of `generate()` runs as two rows (the token twice, the second copy cropped from the
@@ -30,13 +30,12 @@ import contextlib
 import torch
 from torch import nn
 
-from . import verify_attention
 from .few_rows import linear_few_rows
+from .options import OPTIONS
 from .verify_attention import routable, routed  # (also how remote-code loading finds the module to copy)
 from .weights import computes_with_weight
 
 
-ENABLED = True
 # recorded in SPS profiles: 1 = the LM head alone, 2 = every linear, 3 = and sdpa's GQA unrepeated, 4 = the way of
 # every linear measured per machine and row count (`verify_linears`: packed, few rows or `F.linear`), 5 = one row as
 # two few-rows columns among the ways measured
@@ -99,9 +98,9 @@ def version(model) -> int:
     """The verify kernels this model's verifies run with, which SPS profiles record: 0 when no linear of it can run
     another way than `nn.Linear`'s, `VERSION` (linears the way measured per machine, `verify_linears`) when its
     attention is routed as well (`verify_attention.routable`), else 2."""
-    if not (ENABLED and eligible(model)):
+    if not (OPTIONS.verify_head and eligible(model)):
         return 0
-    return VERSION if verify_attention.ENABLED and routable(model) else 2
+    return VERSION if OPTIONS.verify_attention and routable(model) else 2
 
 
 @contextlib.contextmanager
@@ -111,7 +110,7 @@ def verify_kernels(model, linears: list[nn.Linear] | None = None):
     `linears`: `eligible_linears(model)`, when the caller keeps the list between passes (the decode loop does).
     Everything is undone on exit, also after an exception. Nested blocks are no-ops.
     """
-    if not ENABLED:
+    if not OPTIONS.verify_head:
         yield
         return
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

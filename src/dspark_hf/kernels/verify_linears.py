@@ -18,8 +18,8 @@ pass: `with kernels.verify(target, rows):`.
 Memory: the packed copies (`TargetPacks`) are a second copy of every packed weight (538 MB for SmolLM2-135M in float32,
 `TargetPacks.nbytes`), made on the first packed verify and kept beside the target for as long as it lives (never on
 it: a packed tensor has no storage, the model must stay picklable), rebuilt when a weight changes, and freed by
-`free_packs(target)` or with the target. Set `ENABLED = False` to never pack. The user's modules are class-swapped only
-inside a verify pass and restored on exit, also after an exception.
+`free_packs(target)` or with the target. Set `OPTIONS.packs = False` to never pack. The user's modules are
+class-swapped only inside a verify pass and restored on exit, also after an exception.
 
 Which linears: `verify_head.eligible_linears` (plain float32 CPU `nn.Linear`s), the one eligibility check.
 """
@@ -36,6 +36,7 @@ from transformers.utils import logging
 from . import verify_head
 from .few_rows import version_counter
 from .fingerprint import read_once, same
+from .options import OPTIONS
 from .packed_linear import _check_available
 from .runtime import runtime_for
 from .verify_attention import routed
@@ -44,8 +45,6 @@ from .verify_head import eligible_linears, step_scopes, swapped_linears, verify_
 
 logger = logging.get_logger(__name__)
 
-ENABLED = True
-FORCE: str | None = None  # one of `WAYS` for every verify instead of the measured choice (tests, benchmarks)
 BATCH_HINT = 8  # the row count oneDNN tunes the packed layout for (1–16 rows measured alike with 4, 8 and 16)
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)  # row counts `measure` times; others take the next one above
 WAYS = ("linear", "few rows", "packed")
@@ -287,7 +286,7 @@ def free_packs(model: nn.Module) -> int:
 def packable(model: nn.Module, linears: list[nn.Linear] | None = None) -> bool:
     """Whether packed verifies can run here: enabled, oneDNN's operators present, float32 CPU linears to pack."""
     linears = eligible_linears(model) if linears is None else linears
-    return ENABLED and bool(linears) and _check_available()
+    return OPTIONS.packs and bool(linears) and _check_available()
 
 
 # -- the measured choice ------------------------------------------------------------------------------------------
@@ -377,7 +376,7 @@ def measure(
     for n in sorted(set(rows)):
         inputs = {w: torch.randn(n, w, generator=generator) for w in widths}
         ways = ["linear"]
-        if verify_head.ENABLED and verify_head.MIN_ROWS <= n <= verify_head.MAX_ROWS_HEAD:
+        if OPTIONS.verify_head and verify_head.MIN_ROWS <= n <= verify_head.MAX_ROWS_HEAD:
             ways.append("few rows")
         if packs is not None:
             ways.append("packed")
@@ -516,9 +515,9 @@ class VerifyKernels:
     def verify(self, model: nn.Module, rows: int, linears: list[nn.Linear] | None = None):
         """One forward of `rows` rows through the target, its linears the measured way."""
         self.trial = False
-        if FORCE is not None:
-            way, pad = FORCE, rows
-        elif verify_head.ENABLED:
+        if OPTIONS.verify_way is not None:
+            way, pad = OPTIONS.verify_way, rows
+        elif OPTIONS.verify_head:
             table = self.ensure(model, linears)
             way, pad = table.way(rows)
             others = ["few rows"] if verify_head.MIN_ROWS <= rows <= verify_head.MAX_ROWS_HEAD else []
@@ -540,7 +539,7 @@ class VerifyKernels:
         else:
             with routed(model):
                 yield
-        if FORCE is None:
+        if OPTIONS.verify_way is None:
             self.record(rows, way, self.clock() - start)
 
 
