@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import dspark_hf
-from dspark_hf.decoding.profiling import cpu_model, memory_floor_ms, weight_bytes
+from dspark_hf.decoding.profiling import cpu_model, memory_floor_ms, run_facts, weight_bytes
 from dspark_hf.decoding.ragged_cache import AppendCache
 from dspark_hf.kernels.lean_forward import run_target
 
@@ -172,9 +172,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "cpu": cpu_model(),
-                    "threads": torch.get_num_threads(),
-                    "torch": torch.__version__,
+                    **run_facts(),
                     "context": context,
                     "dynamic": args.dynamic,
                     "floor_ms": floor,

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import dspark_hf
-from dspark_hf.decoding.profiling import cpu_model
+from dspark_hf.decoding.profiling import cpu_model, run_facts
 from dspark_hf.decoding.ragged_cache import AppendCache
 from dspark_hf.kernels import lean_forward
 
@@ -112,9 +112,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "cpu": cpu_model(),
-                    "threads": torch.get_num_threads(),
-                    "torch": torch.__version__,
+                    **run_facts(),
                     "old": args.old,
                     "part": args.part,
                     "ms": {f"{c},{w},{side}": v for (c, w, side), v in medians.items()},

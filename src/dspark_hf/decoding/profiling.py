@@ -72,6 +72,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def run_facts() -> dict:
+    """What a benchmark's JSON names its machine by: the CPU model, torch's intra-op threads and torch's version."""
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -517,6 +522,7 @@ __all__ = [
     "padded_costs",
     "plot_profile",
     "profile_target",
+    "run_facts",
     "save_profile",
     "sps_for",
     "sps_table",
