@@ -97,7 +97,8 @@ def _decode(
     settings = generation_kwargs(temperature) | ({"streamer": clock} if clock is not None else {})
     settings |= _policy(assistant, verify_policy)
     if compiled:
-        next(v for v in compiled.values() if hasattr(v, "reset")).reset()  # the run's one static cache, emptied
+        cache = compiled["cache"] if "cache" in compiled else compiled["past_key_values"]  # (`compiled_settings`)
+        cache.reset()  # the run's one static cache, emptied
         settings |= compiled
     with record_draft_rounds() as rounds, observe_assistant(assistant) as own, steps:
         called = time.perf_counter()

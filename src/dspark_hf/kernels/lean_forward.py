@@ -68,9 +68,10 @@ class _Plan:
         if not self.supported:
             return
         base, layers = model.model, model.model.layers
-        self._fused = _refs(_fused_modules(layers))  # the projections and MLPs, run as `F.linear` or fused products
-        self._norms = _refs(_norms(base, layers))
-        self._rest = _refs(list({id(m): m for m in _fused_modules(layers) + _norms(base, layers)}.values()))
+        fused, norms = _fused_modules(layers), _norms(base, layers)
+        self._fused = _refs(fused)  # the projections and MLPs, run as `F.linear` or fused products
+        self._norms = _refs(norms)
+        self._rest = _refs(list({id(m): m for m in fused + norms}.values()))
         self.norm_class = _norm_class(layers, sys.modules[type(base).__module__])  # None: not transformers' own
         # per layer, the modules the forward reaches, in `_PARTS` order (read once here, not through `__getattr__`)
         self._parts = [_refs([_part(layer, name) for name in _PARTS]) for layer in layers]
@@ -360,10 +361,9 @@ def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _inline_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What the `*RMSNorm.forward` of Llama, Qwen2, Qwen3 and Mistral computes, operator for operator."""
     dtype = x.dtype
-    if dtype != torch.float32:  # (`.to` of a float32 tensor returns it: skipped, not a different value)
-        x = x.to(torch.float32)
+    x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * (x if dtype == torch.float32 else x.to(dtype))
+    return norm.weight * x.to(dtype)
 
 
 def _norm_class(layers, modeling) -> type | None:
