@@ -147,3 +147,47 @@ def test_bad_draft_vocabularies_are_refused(target, bad, match):
 def test_config_refuses_a_draft_vocabulary_larger_than_the_vocabulary(target):
     with pytest.raises(ValueError, match="draft_vocab_size"):
         make_drafter(target, draft_vocab_size=100)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_greedy_chains_are_drafted_among_the_draft_vocabulary_alone(target, monkeypatch, do_sample):
+    """Greedy rows without processors draft over the draft vocabulary's V' columns, never spreading them over the
+    whole vocabulary (`OPTIONS.narrow_draft`), and propose the very drafts the whole-vocabulary way proposes;
+    sampling rows keep the whole vocabulary (their noise and processors see every column)."""
+    from dspark_hf.decoding.drafting import DSparkCandidateGenerator
+    from dspark_hf.kernels.options import OPTIONS
+
+    drafter = make_drafter(target, verify_policy="fixed")
+    drafter.set_draft_vocab(HALF)
+    ids = torch.randint(0, 99, (1, 6))
+    monkeypatch.setattr(OPTIONS, "verify_way", "linear")  # one kernel way: the features, so the drafts, repeat exactly
+    proposed, spread = [], []
+    propose, scatter = DSparkCandidateGenerator.propose, DSparkDraftModel._scatter
+
+    def recorded(self, *args, **kwargs):
+        drafts = propose(self, *args, **kwargs)
+        proposed[-1].append((drafts.tokens.clone(), drafts.conditional))
+        return drafts
+
+    def counted(self, *args, **kwargs):
+        spread[-1] += 1
+        return scatter(self, *args, **kwargs)
+
+    target.generate(ids, max_new_tokens=20, do_sample=do_sample, assistant_model=drafter)  # packs the weights
+    monkeypatch.setattr(DSparkCandidateGenerator, "propose", recorded)
+    monkeypatch.setattr(DSparkDraftModel, "_scatter", counted)
+    outs = []
+    for narrow in (True, False):
+        monkeypatch.setattr(OPTIONS, "narrow_draft", narrow)
+        proposed.append([])
+        spread.append(0)
+        torch.manual_seed(3)
+        outs.append(target.generate(ids, max_new_tokens=20, do_sample=do_sample, assistant_model=drafter))
+    assert torch.equal(outs[0], outs[1])
+    assert len(proposed[0]) == len(proposed[1]) > 0
+    for (tokens, conditional), (ref_tokens, ref_conditional) in zip(*proposed):
+        assert torch.equal(tokens, ref_tokens) and conditional == ref_conditional
+    assert spread[1] > 0  # the whole-vocabulary way spreads every position's logits
+    assert (spread[0] == 0) == (not do_sample)  # the narrow way only for greedy rows
+    if not do_sample:
+        assert torch.equal(outs[0], greedy(target, ids, max_new_tokens=20))

@@ -498,3 +498,21 @@ def test_the_decoder_gives_the_gate_what_each_round_verifies(monkeypatch, budget
         estimates = [math.prod(confidences[0][: i + 1]) for i in range(lengths[0])]  # survivals / path estimates
         assert expected == pytest.approx(1 + sum(estimates))
     assert max(lengths[0] for lengths, _, _ in seen) > 1  # rounds that verified several drafts or nodes
+
+
+@pytest.mark.parametrize("plain_seconds, drafts", [(0.2, True), (0.1, False), (0.05, False)])
+def test_draft_gate_prices_a_measured_draft_pass_in_the_profiles_time(plain_seconds, drafts):
+    """The profile says 100 ms a step; a draft pass measures 60 ms and survives with 0.5. Priced against the profile's
+    step as it is, drafting never pays (1.5 tokens in 160 ms against 1 in 100). Where plain rounds measure 200 ms
+    (a slower or busier machine than the profile's), the draft pass is 30 ms of the profile's time and drafting pays,
+    as it does on that machine (1.5 tokens in 260 ms against 1 in 200); at the profile's speed or faster it does
+    not."""
+    now = [0.0]
+    gate = DraftGate({1: 10.0, 2: 10.0}, clock=lambda: now[0])
+    gate.record(9.0, [[0.5]])  # a warm-up, not priced
+    gate.record(0.06, [[0.5]])
+    for _ in range(2):  # plain rounds, the first one a warm-up
+        assert not gate.should_draft([[0.5]], [1])
+        now[0] += plain_seconds
+        gate.end_round(1)
+    assert gate.should_draft([[0.5]], [1]) == drafts

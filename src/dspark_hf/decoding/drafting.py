@@ -21,6 +21,7 @@ class with `block_size`, `taps`, `cache`, `add_rows`, `select`, `reset` and `pro
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..kernels.options import OPTIONS
 from ..kernels.packed_linear import pack_linears
 from ..kernels.weights import out_features
 from ..models.configuration_dspark import EARLY_DRAFT_POSITIONS
@@ -161,15 +162,16 @@ class DSparkCandidateGenerator(_Generator):
         if steps == 0:
             return Drafts(tokens, None, list(caps), [[] for _ in rows])
         early = early and policy.stops_early
+        drafter, narrow = self.drafter, self._narrow_vocab(rows)
         # One LM-head product for the block; a policy that can stop early takes the first positions first
         first = min(EARLY_DRAFT_POSITIONS, steps) if early else steps
-        base = self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)  # (B, K', V)
+        base = self._base_logits(hidden[:, :first], narrow)  # (B, K', V), or (B, K', V') over the draft vocabulary
         sampling = any(row.do_sample for row in rows)
         logits_out = base.new_zeros(len(rows), steps, base.shape[-1]) if sampling else None
         seen, state = [], None  # seen[k]: (B,) conditional confidences of position k + 1
         for k in range(steps):
             h_k = hidden[:, k : k + 1]
-            conf = self.drafter.confidence_logits(h_k, prev)  # (B, 1), or None without a confidence head
+            conf = drafter.confidence_logits(h_k, prev)  # (B, 1), or None without a confidence head
             if conf is not None:
                 seen.append(torch.sigmoid(conf[:, 0] / self.temperatures[k]))  # STS-calibrated c_k, before x_k
                 if early:
@@ -178,20 +180,46 @@ class DSparkCandidateGenerator(_Generator):
                     if width is not None and width <= k:
                         break  # the survivals seen decide every row's length, and none verifies position k + 1
             if k == base.shape[1]:
-                base = torch.cat([base, self.drafter.draft_base_logits(hidden[:, k:steps], self.lm_head)], dim=1)
-            bias, next_state = self.drafter.draft_sequential_bias(prev, h_k, state)
-            logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]  # (B, V)
-            logits = process_logits(rows, logits[:, None], tokens, first=k)[:, 0]
-            logits = self._draft_vocab_fallback(logits, rows, h_k, prev, state, tokens, k)
+                base = torch.cat([base, self._base_logits(hidden[:, k:steps], narrow)], dim=1)
+            if narrow is None:
+                bias, next_state = drafter.draft_sequential_bias(prev, h_k, state)
+            else:
+                bias, next_state = drafter.sequential_bias(prev, h_k, state, vocab_ids=narrow)
+            logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]  # (B, V) or (B, V')
+            if narrow is not None:  # greedy rows, nothing processed: the argmax among the draft vocabulary's columns
+                tokens[:, k] = narrow[logits.argmax(dim=-1)]
+            else:
+                logits = process_logits(rows, logits[:, None], tokens, first=k)[:, 0]
+                logits = self._draft_vocab_fallback(logits, rows, h_k, prev, state, tokens, k)
+                # a sampling row's draft at position t uses the noise its target choice at t will use (the coupling)
+                counts = [int(k < cap) for cap in caps]
+                tokens[:, k] = choose_tokens(rows, logits[:, None], first=k, counts=counts)[:, 0]
             state = next_state
-            # a sampling row's draft at position t uses the noise its target choice at t will use (the coupling)
-            tokens[:, k] = choose_tokens(rows, logits[:, None], first=k, counts=[int(k < cap) for cap in caps])[:, 0]
             if logits_out is not None:
                 logits_out[:, k] = logits
             prev = tokens[:, k : k + 1]
         seen = [c if isinstance(c, list) else c.tolist() for c in seen] if early else _read_back(seen)
         conditional = [c[:cap] for c, cap in zip(_by_row(seen, len(rows)), caps)]
         return Drafts(tokens.to(self.target_device), logits_out, list(caps), conditional)
+
+    def _narrow_vocab(self, rows) -> torch.Tensor | None:
+        """The draft vocabulary's ids (V',) where the block may be drafted among them alone: greedy rows whose logits
+        nothing processes (the argmax among V' columns is the argmax over the whole vocabulary, whose other columns
+        are -inf, first index first as the ids are sorted); else None (every column, as the processors and the
+        sampling noise see the whole vocabulary). It skips spreading V' columns over V every position (measured in
+        `benchmarks/time_draft_pass.py`). `OPTIONS.narrow_draft = False` drafts over every column always."""
+        ids = self.drafter.draft_vocab_ids
+        if ids is None or not OPTIONS.narrow_draft:
+            return None
+        if any(row.do_sample or row.processors is not None or row.warpers for row in rows):
+            return None
+        return ids
+
+    def _base_logits(self, hidden: torch.Tensor, narrow: torch.Tensor | None) -> torch.Tensor:
+        """U_k (B, K, V), or over the draft vocabulary's columns `narrow` only (B, K, V')."""
+        if narrow is None:
+            return self.drafter.draft_base_logits(hidden, self.lm_head)
+        return self.drafter.base_logits(hidden, self.lm_head, narrow)
 
     def _tree(self, hidden: torch.Tensor, rows, caps: list[int], budget: int, policy=None) -> Drafts:
         """A best-first tree per row (`trees.grow_trees`): at most `budget` nodes, depth <= caps[r].

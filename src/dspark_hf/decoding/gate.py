@@ -238,7 +238,7 @@ class DraftGate:
         if self.started_shut:  # shut when the last call ended: plain until the first probe
             return self._plain()
         predicted = [(self.prior if hint is None else hint)[:cap] for hint, cap in zip(hints, caps)]
-        if drafting_pays(predicted, self.sps, seconds, max_tokens=len(caps) + sum(caps)):
+        if drafting_pays(predicted, self.sps, self._in_profile_time(seconds, rows), max_tokens=len(caps) + sum(caps)):
             if confirm:  # measure the round after a probe; the probe's outcome is decided after it
                 return True
             if not self._measured_dearer(rows):
@@ -246,6 +246,19 @@ class DraftGate:
                 return True
             self.measured_gated += 1
         return self._plain()
+
+    def _in_profile_time(self, seconds: float, rows: int) -> float:
+        """A measured draft pass's `seconds` in the SPS profile's time: scaled by the profile's plain step over the
+        plain round measured in this call. The profile gives the shape of the verify cost (a width's cost against one
+        token's) but was taken on another machine, or this one under another load, and a round does more than its
+        forward: priced against the profile's step as it is, a draft pass measured here was weighed against a step
+        up to a third faster than this machine's (the shipped profile against a busy 2-core VM), which kept the gate
+        shut where drafting paid (`make demo`). Only the measured price is scaled (a given `draft_seconds` is in the
+        profile's time already), within 4x either way; unscaled until a plain round of this row count is measured."""
+        plain = self.rounds[False].seconds.get(rows) if self.draft_seconds is None else None
+        if not plain:
+            return seconds
+        return seconds * min(max((1.0 / self.sps(rows)) / plain, 0.25), 4.0)
 
     def _plain(self) -> bool:
         if self.probing:  # the probe found nothing worth drafting: wait longer for the next one
