@@ -247,3 +247,34 @@ def test_calibrate_refits_temperatures_for_a_quantized_target_into_a_copy(tmp_pa
     assert kept.config.sts_temperatures == original.config.sts_temperatures  # the checkpoint's own: untouched
     for mine, theirs in zip(copy.state_dict().values(), original.state_dict().values()):
         assert torch.equal(mine, theirs.to(mine.dtype))  # the backbone and heads: untouched
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_scheduler_profiles_a_quantized_target_then_decodes_its_own_greedy(kind):
+    """With no profile for it, the scheduler policy profiles the target first, memory floor included: the bytes of a
+    tensor-subclass weight are those of the plain tensors inside it (a torchao weight's own storage pointer raises),
+    and the decoding that follows is the target's greedy."""
+    from dspark_hf.decoding.profiling import weight_bytes
+
+    target, drafter, _ = built(kind)
+    assert weight_bytes(target) > 0
+    for prompt in PROMPTS:
+        plain = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10)
+        out = target.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=10, assistant_model=drafter,
+            verify_policy="scheduler",
+        )  # fmt: skip
+        assert torch.equal(out, plain)
+
+
+def test_weight_bytes_count_each_quantized_weight_once():
+    """Dynamic int8 stores a byte per weight (each layer's own, though `weight()` unpacks a new tensor each call);
+    float32 four."""
+    from dspark_hf.decoding.profiling import weight_bytes
+
+    target = make_target()
+    linears = [m for m in target.modules() if isinstance(m, nn.Linear)]
+    elements = sum(m.weight.numel() for m in linears)
+    assert weight_bytes(target) == 4 * elements
+    quantized, _, _ = built("dynamic-int8")
+    assert weight_bytes(quantized) == elements

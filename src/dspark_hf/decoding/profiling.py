@@ -27,7 +27,7 @@ from transformers.utils import logging
 from ..kernels.lean_forward import run_target
 from ..kernels.verify_head import eligible_linears, version
 from ..kernels.verify_linears import KernelTable, kernel_choice
-from ..kernels.weights import per_token_activations, per_token_linears, quantization
+from ..kernels.weights import per_token_activations, per_token_linears, plain_tensor, quantization
 from ..utils.devices import model_device
 from .ragged_cache import AppendCache
 from .scheduler import SPS
@@ -128,14 +128,34 @@ def padded_costs(values: list[float]) -> list[float]:
 
 def weight_bytes(target) -> int:
     """Bytes of the weights one decoding step reads: every linear's weight (the LM head included), each storage
-    once. Quantized or wrapped weights count as their stored bytes."""
-    seen = {}
+    once. Quantized or wrapped weights count as their stored bytes: PyTorch's dynamic int8 `Linear` as its int8
+    weight, a tensor subclass (torchao's) as the plain tensors it is made of (`__tensor_flatten__`), and one that
+    gives neither its storage nor its parts as its elements' bytes."""
+    seen, alive = {}, []  # (unpacked weights are kept alive, so that no two share an address while counted)
     for module in target.modules():
+        if not isinstance(module, torch.nn.Linear) and not type(module).__name__.endswith("Linear"):
+            continue
         weight = getattr(module, "weight", None)
-        if isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor):
-            storage = weight.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+        if callable(weight) and not isinstance(weight, torch.Tensor):  # dynamic int8: `weight()` unpacks it
+            weight = weight()
+        if isinstance(weight, torch.Tensor):
+            alive.append(weight)
+            for tensor in _stored_tensors(weight):
+                try:
+                    storage = tensor.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+                except (RuntimeError, NotImplementedError, TypeError):  # no storage to point at
+                    seen[("tensor", id(tensor))] = tensor.numel() * tensor.element_size()
     return sum(seen.values())
+
+
+def _stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding `tensor`'s data: itself, or a subclass's inner tensors where it names them
+    (`__tensor_flatten__`, as torchao's quantized weights do), whose own storage pointer PyTorch refuses to give."""
+    if plain_tensor(tensor) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [part for name in names for part in _stored_tensors(getattr(tensor, name))]
 
 
 def memory_floor_ms(nbytes: int, device: torch.device, repeats: int = 7) -> tuple[float, float]:
