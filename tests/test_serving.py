@@ -184,6 +184,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "frequency_penalty": 0.5}, None, 400, "frequency_penalty"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, None, 400, "stream_options"),
     ("/v1/completions", {"prompt": "a", "bogus": 1}, None, 400, "bogus"),
+    ("/v1/completions", {"prompt": "a", "dspark_sampling": "rejection"}, None, 400, "dspark_sampling"),
+    ("/v1/completions", {"prompt": "a", "dspark_sampling": ["standard"]}, None, 400, "dspark_sampling"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "dspark_sampling": 1},
+        None,
+        400,
+        "dspark_sampling",
+    ),
     ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, None, 404, "model"),
     ("/v1/completions", {"prompt": "a" * 300}, None, 400, "prompt"),
     ("/v1/chat/completions", {"prompt": "a"}, None, 400, "prompt"),
@@ -251,6 +260,57 @@ def test_a_lone_surrogate_is_named_with_its_position(served):
     message = reply["error"]["message"]
     assert code == 400 and "`prompt`" in message and "lone UTF-16 surrogate" in message and "\\ud800" in message
     assert "character 3" in message and "\n" not in message
+
+
+def test_a_bad_dspark_sampling_says_what_it_accepts(served):
+    code, reply = post(served[0], "/v1/completions", {"prompt": "abc", "dspark_sampling": "Standard"})
+    message = reply["error"]["message"]
+    assert code == 400 and reply["error"]["param"] == "dspark_sampling"
+    assert "'Standard'" in message and '"coupled" or "standard"' in message and "leave it out" in message
+
+
+def test_standard_sampling_request_is_the_engines_and_repeats_with_its_seed(served):
+    """`dspark_sampling: "standard"` reaches the engine: the text is what `Engine.add_request(sampling="standard")`
+    gives for the same seed (the coupled default gives other tokens), the same again for a repeat, streamed or not."""
+    server, _, tokenizer, requests = served
+    request = {"prompt": "Hello there", "max_tokens": 24, "temperature": 0.8, "seed": 11}
+    status, body = post(server, "/v1/completions", {**request, "dspark_sampling": "standard"})
+    assert status == 200 and body["usage"]["completion_tokens"] == 24
+    assert requests[-1].sampling == "standard" and requests[-1].do_sample and requests[-1].seed == 11
+    text = body["choices"][0]["text"]
+    prompt_ids = tokenizer("Hello there").input_ids
+    kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.8, seed=11)
+    direct = server.engine.add_request(prompt_ids, sampling="standard", **kwargs).wait()
+    assert text == tokenizer.decode(direct)
+    assert text != tokenizer.decode(server.engine.add_request(prompt_ids, **kwargs).wait())
+    assert post(server, "/v1/completions", {**request, "dspark_sampling": "standard"})[1]["choices"][0]["text"] == text
+    events = stream(server, "/v1/completions", {**request, "dspark_sampling": "standard"})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
+    assert post(server, "/v1/completions", request)[0] == 200 and requests[-1].sampling == "coupled"
+
+
+def test_standard_sampling_beside_draft_trees_is_a_400_the_client_can_act_on(served):
+    """The engine refuses standard sampling while its drafter drafts trees; the client gets a 400 naming the field
+    and its own fixes, not the drafter setting only the server's operator can change. Greedy and coupled requests
+    are still served."""
+    server, _, _, requests = served
+    config = server.engine.drafter.config
+    config.tree_budget = 4
+    try:
+        before = len(requests)
+        request = {"prompt": "abc", "max_tokens": 6, "temperature": 0.8, "dspark_sampling": "standard"}
+        code, reply = post(server, "/v1/completions", request)
+        message = reply["error"]["message"]
+        assert code == 400 and reply["error"]["param"] == "dspark_sampling" and len(requests) == before
+        assert "tree_budget 4" in message and "chains only" in message and '"coupled"' in message
+        assert "drafter.config" not in message
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0.8}
+        assert post(server, "/v1/chat/completions", {**chat, "dspark_sampling": "standard"})[0] == 400
+        assert post(server, "/v1/completions", {**request, "temperature": 0})[0] == 200  # greedy ignores it
+        assert post(server, "/v1/completions", {**request, "dspark_sampling": "coupled"})[0] == 200
+    finally:
+        config.tree_budget = 0
+    assert post(server, "/v1/completions", request)[0] == 200
 
 
 def test_huge_max_tokens_is_clipped_to_the_context(served):

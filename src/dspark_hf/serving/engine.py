@@ -144,6 +144,12 @@ class Engine:
         return None if self.decoder.policy is None else self.decoder.policy.gate
 
     @property
+    def tree_budget(self) -> int:
+        """The drafter's tree budget as it stands now (0: chains, and always 0 without a drafter). Standard sampling
+        verifies chains only, so a sampled request with `sampling="standard"` is refused while this is > 0."""
+        return getattr(getattr(self.drafter, "config", None), "tree_budget", 0)
+
+    @property
     def rows(self) -> list[Row]:
         """The active requests' rows, in batch order."""
         return self.decoder.rows
@@ -177,7 +183,7 @@ class Engine:
             self.drafter.config.check_runtime_settings(self.drafter)
         prompt = prompt_token_ids(input_ids, self.vocab_size, self.tokenizer)
         check_sampling_settings(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
-        check_sampling(sampling, getattr(getattr(self.drafter, "config", None), "tree_budget", 0), do_sample)
+        check_sampling(sampling, self.tree_budget, do_sample)
         eos = self.target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if not all(isinstance(t, int) for t in eos):

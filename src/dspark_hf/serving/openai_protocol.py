@@ -3,7 +3,9 @@
 Pure functions, no HTTP: `parse_completion` / `parse_chat` turn a decoded JSON body into a `ParsedRequest` (prompt
 token ids plus `Engine.add_request` keyword arguments) or raise `ProtocolError` (an HTTP status and an OpenAI-style
 message naming the field); the `*_response` / `*_chunk` builders produce OpenAI's JSON objects. Non-standard
-statistics travel in an extra top-level `"dspark"` field, which OpenAI clients ignore.
+statistics travel in an extra top-level `"dspark"` field, which OpenAI clients ignore; the one request
+field of this server's own, `dspark_sampling`, carries the same prefix (OpenAI's clients send it as an extra body
+field).
 """
 
 import math
@@ -11,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..models.settings import SAMPLING_MODES
 from ..utils.prompts import encode
 
 
@@ -45,6 +48,7 @@ _COMMON = {
     "stop",
     "seed",
     "user",
+    "dspark_sampling",  # this server's own: how a sampled request is decoded (`Engine.add_request`'s `sampling`)
 }
 _CHAT = {"messages", "max_completion_tokens"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -118,6 +122,20 @@ def _boolean(body, name, default=False):
     return value
 
 
+def _sampling(body) -> str:
+    """`dspark_sampling`: "coupled" (the default, also for null) or "standard"."""
+    value = body.get("dspark_sampling")
+    if value is None:
+        return "coupled"
+    if not isinstance(value, str) or value not in SAMPLING_MODES:
+        modes = " or ".join(f'"{mode}"' for mode in SAMPLING_MODES)
+        raise ProtocolError(
+            f'`dspark_sampling` must be {modes}, got {value!r:.60}; leave it out for the default, "coupled".',
+            "dspark_sampling",
+        )
+    return value
+
+
 def _text(value: str, param: str) -> str:
     """`value`, refused if it holds a lone UTF-16 surrogate: JSON can spell one (`"\\ud800"`), but it is no text, so
     no tokenizer can encode it and no generated text can contain it."""
@@ -178,6 +196,7 @@ def _generation(body: dict, prompt_len: int, limits: ServingLimits, default_max_
         "top_p": _number(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
         "top_k": max(top_k, 0),  # -1 (vLLM's "off") and 0 both disable top-k
         "seed": _integer(body, "seed", None),
+        "sampling": _sampling(body),
     }
 
 

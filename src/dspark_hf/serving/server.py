@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 from transformers.utils import logging
 
+from ..models.settings import check_sampling
 from . import openai_protocol as protocol
 from .openai_protocol import ProtocolError, ServingLimits
 
@@ -114,6 +115,7 @@ class _Completion:
 
     def __init__(self, engine, tokenizer, parsed: protocol.ParsedRequest):
         self.engine, self.parsed = engine, parsed
+        _check_sampling(engine, parsed.generation)
         try:
             self.request = engine.add_request(parsed.prompt_ids, **parsed.generation)
         except (ValueError, TypeError) as err:
@@ -147,6 +149,21 @@ class _Completion:
             "rounds": self.request.num_rounds,
             "mean_verify_length": sum(lengths) / len(lengths) if lengths else 0.0,
         }
+
+
+def _check_sampling(engine, generation: dict) -> None:
+    """A 400 for `dspark_sampling: "standard"` on a sampled request while the engine's drafter drafts trees. The
+    engine would refuse it too, but with a fix for the server's operator (a drafter setting); the client needs its
+    own."""
+    try:
+        check_sampling(generation["sampling"], engine.tree_budget, generation["do_sample"])
+    except ValueError:
+        raise ProtocolError(
+            '`dspark_sampling: "standard"` is not available on this server: its drafter verifies token trees '
+            f"(tree_budget {engine.tree_budget}) and standard sampling verifies chains only. Leave `dspark_sampling` "
+            'out (or send "coupled"), or send `temperature: 0` for greedy decoding.',
+            "dspark_sampling",
+        ) from None
 
 
 class _Handler(BaseHTTPRequestHandler):
