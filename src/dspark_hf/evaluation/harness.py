@@ -58,6 +58,8 @@ from .rounds import FirstTokenClock, RoundLog, observe_assistant, round_breakdow
 PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain steps through the verify kernels)
 COMPILED = "compiled plain"  # the mode label of transformers' compiled static-cache plain decoding
 OWN = "own plain"  # the mode label of this package's plain decoding (its decode round with no drafter)
+# the extra plain baselines: mode label -> the name its JSON fields carry (`report.BASELINES`)
+EXTRA_BASELINES = {PADDED: "padded", COMPILED: "compiled", OWN: "own"}
 WARMUP_TOKENS = 256  # the warm-up decodes this much of the first prompt
 
 logger = logging.get_logger(__name__)
@@ -78,25 +80,24 @@ def _policy(assistant, verify_policy: str | None) -> dict:
 
 
 def _decode(
-    target, ids, max_new_tokens, assistant, temperature, seed, padded=False, verify_policy=None, compiled=None,
-    own=False,
-):  # fmt: skip
-    """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`);
-    `padded`: plain decoding with the verify kernels' one-token steps (`verify_linears.measured_steps`, the linears
-    the way measured on this machine, as a decode loop's plain round runs them); `compiled`: plain decoding by
-    transformers' compiled static-cache decoding with these settings (`compiled_settings`; its cache is reset); `own`:
-    this package's plain decoding (`_own_decode`)."""
+    target, ids, max_new_tokens, assistant, temperature, seed, verify_policy=None, baseline=None, compiled=None
+):
+    """One generate(): (new tokens (n,), seconds, acceptance stats or None for plain, logged rounds as a `RoundLog`).
+    `baseline` decodes plainly as one of the extra baselines, by name (`EXTRA_BASELINES`): "padded" with the verify
+    kernels' one-token steps (`verify_linears.measured_steps`, the linears the way measured on this machine, as a
+    decode loop's plain round runs them); "compiled" by transformers' compiled static-cache decoding with the settings
+    `compiled` (`compiled_settings`; its cache is reset); "own" by this package's plain decoding (`_own_decode`)."""
     if temperature:
         torch.manual_seed(seed)
-    if own:
+    if baseline == "own":
         return _own_decode(target, ids, max_new_tokens, temperature, seed)
     if hasattr(assistant, "generation_stats"):
         assistant.generation_stats = None  # never read the previous call's
-    steps = verify_linears.measured_steps(target) if padded else contextlib.nullcontext()
+    steps = verify_linears.measured_steps(target) if baseline == "padded" else contextlib.nullcontext()
     clock = FirstTokenClock() if assistant is None else None  # a plain run's own prefill, for the decoding phase
     settings = generation_kwargs(temperature) | ({"streamer": clock} if clock is not None else {})
     settings |= _policy(assistant, verify_policy)
-    if compiled:
+    if baseline == "compiled":
         cache = compiled["cache"] if "cache" in compiled else compiled["past_key_values"]  # (`compiled_settings`)
         cache.reset()  # the run's one static cache, emptied
         settings |= compiled
@@ -328,34 +329,33 @@ def run_evaluation(
     temperatures = [float(t) for t in temperatures]
     if any(t < 0 for t in temperatures):
         raise ValueError(f"Temperatures must be >= 0 (0 = greedy), got {temperatures}.")
-    for baseline in (PADDED, COMPILED, OWN):
+    for baseline in EXTRA_BASELINES:
         if baseline in drafters:
             raise ValueError(f"{baseline!r} labels a plain baseline; give that drafter another label.")
     if padded_baseline is None:
         padded_baseline = verify_head.version(target) > 0
+    wanted = {"padded": padded_baseline, "compiled": compiled_baseline, "own": own_baseline}
     encoded = {name: [encode(tokenizer, r) for r in records] for name, records in datasets.items()}
     first = next(iter(encoded.values()))[0]
     warm = first[:, :WARMUP_TOKENS]  # a long prompt's prefill would only cost time here
     for label, assistant in (None, None), *drafters.items():  # warm-up of every path
         with tree_budget(assistant, budgets.get(label)):
             timed_generate(target, warm, 4, assistant, **_policy(assistant, verify_policy))
-    modes = [None, *drafters]  # None: plain decoding
-    if padded_baseline:
-        _decode(target, warm, 4, None, 0.0, 0, padded=True)
-        modes.insert(1, PADDED)
+    if wanted["padded"]:
+        _decode(target, warm, 4, None, 0.0, 0, baseline="padded")
     compiled_plain = {}  # static cache size -> the settings of transformers' compiled decoding with a cache that size
-    if compiled_baseline:
+    if wanted["compiled"]:
         sizes = sorted({compiled_slots(ids, max_new_tokens) for prompts in encoded.values() for ids in prompts})
         logger.info(f"Compiling transformers' static-cache plain decoding for caches of {sizes} slots ...")
         start = time.perf_counter()
         for size in sizes:
             compiled_plain[size] = compiled_settings(target, size)
-            _decode(target, warm[:, : size - 4], 4, None, 0.0, 0, compiled=compiled_plain[size])
+            _decode(target, warm[:, : size - 4], 4, None, 0.0, 0, baseline="compiled", compiled=compiled_plain[size])
         logger.info(f"... compiled in {time.perf_counter() - start:.0f} s")
-        modes.insert(1, COMPILED)
-    if own_baseline:
-        _decode(target, warm, 4, None, 0.0, 0, own=True)
-        modes.insert(1, OWN)
+    if wanted["own"]:
+        _decode(target, warm, 4, None, 0.0, 0, baseline="own")
+    extra = [label for label, name in EXTRA_BASELINES.items() if wanted[name]]
+    modes = [None, *extra[::-1], *drafters]  # None: plain decoding; the extra baselines in the order they always had
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
     for name, prompts in encoded.items():
         for temperature in temperatures:
@@ -365,27 +365,19 @@ def run_evaluation(
                 shift = i % len(modes)
                 for mode in modes[shift:] + modes[:shift]:
                     assistant = drafters.get(mode)  # None for the plain modes
+                    baseline = EXTRA_BASELINES.get(mode)
+                    compiled = compiled_plain[compiled_slots(ids, max_new_tokens)] if mode == COMPILED else None
                     with tree_budget(assistant, budgets.get(mode)):
                         run = _decode(
-                            target,
-                            ids,
-                            max_new_tokens,
-                            assistant,
-                            temperature,
-                            seed + i,
-                            mode == PADDED,
-                            verify_policy,
-                            compiled_plain[compiled_slots(ids, max_new_tokens)] if mode == COMPILED else None,
-                            mode == OWN,
-                        )
+                            target, ids, max_new_tokens, assistant, temperature, seed + i, verify_policy,
+                            baseline=baseline, compiled=compiled,
+                        )  # fmt: skip
                     decoded[mode].append(run)
                 bar.set_postfix({label: f"τ {decoded[label][-1][2].acceptance_length:.2f}" for label in drafters})
-            padded, compiled, own = decoded.get(PADDED), decoded.get(COMPILED), decoded.get(OWN)
-            baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], padded, compiled, own))
+            extras = {EXTRA_BASELINES[label]: decoded[label] for label in extra}
+            baselines.append(_baseline_entry(name, temperature, prompts, decoded[None], extras))
             for label in drafters:
-                runs.append(
-                    _run_entry(name, temperature, label, prompts, decoded[label], decoded[None], padded, compiled, own)
-                )
+                runs.append(_run_entry(name, temperature, label, prompts, decoded[label], decoded[None], extras))
                 runs[-1]["tree_budget"] = budgets[label]
                 if temperature == 0:
                     greedy_rounds[label] += [d[3] for d in decoded[label]]

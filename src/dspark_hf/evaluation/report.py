@@ -14,6 +14,11 @@ from .rounds import RoundLog, round_breakdown
 
 logger = logging.get_logger(__name__)
 
+# The extra plain baselines, by the name their fields carry (`tokens_per_second_padded`, `own_identical`, ...): the
+# kernel-neutral one (plain steps through the measured verify kernels), transformers' compiled static-cache decoding,
+# this package's own decode round with no drafter (`harness.run_evaluation` runs them)
+BASELINES = ("padded", "compiled", "own")
+
 
 def _pool(stats) -> DSparkGenerationStats:
     start = DSparkGenerationStats(block_size=max(s.block_size for s in stats))
@@ -43,9 +48,9 @@ def _decode_phase(decoded, prefills) -> tuple[int, float]:
     return tokens, sum(max(d[1] - p, 0.0) for d, p in zip(decoded, prefills))
 
 
-def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None, compiled=None, own=None) -> dict:
-    """Everything measured for one dataset × temperature × drafter; `padded`: the kernel-neutral baseline's decodes;
-    `compiled`: transformers' compiled static-cache plain decoding's; `own`: this package's plain decoding's."""
+def _run_entry(dataset, temperature, label, prompts, decoded, plain, baselines=None) -> dict:
+    """Everything measured for one dataset × temperature × drafter; `baselines`: the decodes of the extra plain
+    baselines that ran, by name (`BASELINES`)."""
     stats = [s for _, _, s, _ in decoded]
     pooled = _pool(stats)
     tokens, seconds = _totals(decoded)
@@ -79,9 +84,7 @@ def _run_entry(dataset, temperature, label, prompts, decoded, plain, padded=None
         )
     reached, accepted = pooled.position_counts()
     tps, plain_tps = _rate(tokens, seconds), _rate(*_totals(plain))
-    padded_tps = _rate(*_totals(padded)) if padded else None
-    compiled_tps = _rate(*_totals(compiled)) if compiled else None
-    own_tps = _rate(*_totals(own)) if own else None
+    padded_tps, compiled_tps, own_tps = _baseline_rates(baselines)
     return {
         "dataset": dataset,
         "temperature": temperature,
@@ -147,9 +150,15 @@ def _decode_phase_entry(decoded, plain) -> dict:
     }
 
 
-def _baseline_entry(dataset, temperature, prompts, plain, padded=None, compiled=None, own=None) -> dict:
-    """Plain decoding on one dataset × temperature, and the padded (kernel-neutral) and compiled baselines where they
-    ran.
+def _baseline_rates(baselines) -> list[float | None]:
+    """Tokens per second of each of `BASELINES` in its order (None where it did not run)."""
+    baselines = baselines or {}
+    return [_rate(*_totals(baselines[name])) if baselines.get(name) else None for name in BASELINES]
+
+
+def _baseline_entry(dataset, temperature, prompts, plain, baselines=None) -> dict:
+    """Plain decoding on one dataset × temperature, and the extra plain baselines where they ran (`baselines`: their
+    decodes by name, `BASELINES`).
 
     `padded_identical` (T = 0): whether 2-row steps gave plain greedy's tokens; the products agree to float rounding,
     so a difference is possible in principle but makes only the timing less comparable, never a drafter's output.
@@ -169,14 +178,14 @@ def _baseline_entry(dataset, temperature, prompts, plain, padded=None, compiled=
         "seconds": seconds,
         "tokens_per_second": _rate(tokens, seconds),
     }
-    for name, decoded in (("padded", padded), ("compiled", compiled), ("own", own)):
-        identical = None
+    for name, rate in zip(BASELINES, _baseline_rates(baselines)):
+        decoded, identical = (baselines or {}).get(name), None  # the baseline's decodes, or None where it did not run
         if decoded:
             for row, (_, secs, _, _) in zip(per_prompt, decoded):
                 row[f"seconds_{name}"] = secs
             if temperature == 0:
                 identical = all(torch.equal(p[0], q[0]) for p, q in zip(plain, decoded))
-        entry[f"tokens_per_second_{name}"] = _rate(*_totals(decoded)) if decoded else None
+        entry[f"tokens_per_second_{name}"] = rate
         entry[f"{name}_identical"] = identical
     return {
         **entry,
