@@ -87,6 +87,16 @@ def padded_batch(tokenizer, prompts: list[list[int]]):
     return ids, mask
 
 
+def generated_tokens(out, prompt_length: int, eos) -> int:
+    """Tokens generated over the rows of `out` (B, L + n): each row's up to and including its first stop token."""
+    stops = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    total = 0
+    for row in out[:, prompt_length:].tolist():
+        ends = [i for i, token in enumerate(row) if token in stops]
+        total += ends[0] + 1 if ends else len(row)
+    return total
+
+
 def run_cell(target, tokenizer, drafter, cell: dict, new_tokens: int, repeats: int) -> dict:
     import torch
 
@@ -111,11 +121,18 @@ def run_cell(target, tokenizer, drafter, cell: dict, new_tokens: int, repeats: i
         drafted_s.append(seconds)
         identical &= torch.equal(plain, drafted)
     stats = drafter.generation_stats
+    eos = target.generation_config.eos_token_id
+    plain_tokens = generated_tokens(plain, ids.shape[1], eos)
+    drafted_tokens = generated_tokens(drafted, ids.shape[1], eos)
     return {
         **cell,
         "plain_s": min(plain_s),
         "drafted_s": min(drafted_s),
-        "ratio": min(plain_s) / min(drafted_s),
+        "plain_tokens": plain_tokens,
+        "drafted_tokens": drafted_tokens,
+        # tokens per second against tokens per second: where the outputs differ (bf16, dynamic int8, sampling) one
+        # may stop long before the other
+        "ratio": (drafted_tokens / min(drafted_s)) / (plain_tokens / min(plain_s)),
         "tau": stats.acceptance_length,
         "gated_rounds": stats.gated_rounds,
         "rounds": stats.num_target_forwards,

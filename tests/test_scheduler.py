@@ -516,3 +516,26 @@ def test_draft_gate_prices_a_measured_draft_pass_in_the_profiles_time(plain_seco
         now[0] += plain_seconds
         gate.end_round(1)
     assert gate.should_draft([[0.5]], [1]) == drafts
+
+
+def test_draft_gate_never_drafts_where_a_verified_token_costs_a_step(caplog):
+    """A profile where each verified token costs a whole step (a dynamic int8 target verifying token by token): not
+    even free drafts that are always accepted pay, so no round drafts, not the first (whose cost is unknown) nor any
+    probe, and one info line says why. Against a flat profile the same gate drafts at once."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    linear = {b: 10.0 / b for b in range(1, 17)}
+    now = [0.0]
+    gate = DraftGate(linear, probe_interval=2, clock=lambda: now[0])
+    hf_logging.set_verbosity_info()
+    try:
+        with caplog.at_level(logging.INFO):
+            decisions = _gate_run(gate, now, 100, 0.01, 0.1)
+    finally:
+        hf_logging.set_verbosity_warning()
+    assert not any(decisions)
+    assert sum("not even drafts that are always accepted" in r.getMessage() for r in caplog.records) == 1
+    flat = DraftGate({b: 10.0 for b in range(1, 17)}, probe_interval=2, clock=lambda: now[0])
+    assert _gate_run(flat, now, 3, 0.01, 0.1)[0]

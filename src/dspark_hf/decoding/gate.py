@@ -13,8 +13,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+from transformers.utils import logging
+
 from .lookup import expected_depth
 from .scheduler import SPS, SPSCurve, prefix_schedule
+
+
+logger = logging.get_logger(__name__)
 
 
 def drafting_pays(
@@ -115,6 +120,7 @@ class GateMemory:
         self.prior: list[float] | None = None
         self.shut = False  # the last decided rounds were plain ones, two or more in a row
         self.wait: int | None = None  # plain rounds before the next probe, as the last call left it
+        self.told_never_pays = False  # the info line that drafting cannot pay on this target was logged
 
 
 class DraftGate:
@@ -190,6 +196,7 @@ class DraftGate:
         self.round: tuple | None = None  # (start, drafted, rows, probe, measured) of the open round
         self.confirm = False  # the last round drafted after plain ones, unmeasured: draft this one to measure it
         self.measured_gated = 0  # rounds made plain because drafted rounds measured dearer per token
+        self.never_pays: dict[tuple[int, ...], bool] = {}  # caps -> `_never_pays`' verdict (the profile is fixed)
 
     @property
     def prior(self) -> list[float] | None:
@@ -229,6 +236,8 @@ class DraftGate:
 
     def _decision(self, hints, caps, confirm: bool) -> bool:
         rows = len(hints)
+        if self._never_pays(caps):  # not even a free draft that is always accepted: no draft pass, no probe
+            return False
         seconds = self.cost(rows)
         if seconds is None or self.prior is None:
             return True
@@ -259,6 +268,31 @@ class DraftGate:
         if not plain:
             return seconds
         return seconds * min(max((1.0 / self.sps(rows)) / plain, 0.25), 4.0)
+
+    def _never_pays(self, caps: Sequence[int]) -> bool:
+        """Whether the profile says no draft can pay at these caps: drafts that cost nothing and are always accepted,
+        verified at any length up to their caps, commit fewer tokens per second than plain steps. So it is where a
+        verified token costs a whole step or more (PyTorch's dynamic int8 target, whose verifies compute token by
+        token, `weights.per_token_activations`): a draft pass and its probes would only cost time. Logged once per
+        drafter and target."""
+        key = tuple(caps)
+        verdict = self.never_pays.get(key)
+        if verdict is None:
+            certain = [[1.0] * cap for cap in caps]
+            try:
+                verdict = max(caps, default=0) > 0 and not drafting_pays(
+                    certain, self.sps, 0.0, max_tokens=len(caps) + sum(caps)
+                )
+            except ValueError:  # wider than the profile covers: the prediction decides, as for any round
+                verdict = False
+            self.never_pays[key] = verdict
+        if verdict and not self.memory.told_never_pays:
+            self.memory.told_never_pays = True
+            logger.info(
+                "The draft gate keeps every round a plain decoding step: on this target's cost profile a verified "
+                "token costs as much as a decoding step, so not even drafts that are always accepted would pay."
+            )
+        return verdict
 
     def _plain(self) -> bool:
         if self.probing:  # the probe found nothing worth drafting: wait longer for the next one
