@@ -72,6 +72,8 @@ def _fingerprint(source) -> Fingerprint:
         return tuple(_fingerprint(v) for v in _module_tensors(source))
     if isinstance(source, (tuple, list)):
         return tuple(_fingerprint(v) for v in source)
+    if isinstance(source, Packed):
+        return (source,)
     if not isinstance(source, torch.Tensor):
         return (repr(source),)
     if source.is_quantized:
@@ -93,9 +95,30 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
 
+class Packed:
+    """The fingerprint of a quantized linear's packed weights (PyTorch's dynamic int8 `Linear`: one opaque object
+    holding the weight and the bias). No Python code edits such an object in place: `set_weight_bias` and
+    `load_state_dict` put a new one in its place. So the object itself is the fingerprint, equal only to a fingerprint
+    of the same object, and nothing is unpacked: unpacking SmolLM2's int8 LM head and reading it took ~0.4 s a
+    `generate()` call (docs/results.md, 2026-12-07). It holds the object, so that its id is not reused while a copy
+    made from it is kept."""
+
+    def __init__(self, packed: object, dtype: object):
+        self.packed, self.dtype = packed, dtype
+
+    def __eq__(self, other):
+        return isinstance(other, Packed) and other.packed is self.packed and other.dtype == self.dtype
+
+    __hash__ = object.__hash__
+
+
 def _module_tensors(module: nn.Module) -> list:
-    """The tensors a module's output depends on: its state dict's values (a dynamically quantized linear keeps its
-    weight packed; `weight()` unpacks it)."""
+    """The tensors a module's output depends on: its state dict's values; for a dynamically quantized linear, whose
+    weight and bias are packed into one object (its state dict and `weight()` unpack it), that object (`Packed`)."""
+    holder = getattr(module, "_packed_params", None)
+    packed = getattr(holder, "_packed_params", None)
+    if isinstance(packed, torch.ScriptObject):
+        return [Packed(packed, getattr(holder, "dtype", None))]
     values = list(module.state_dict(keep_vars=True).values())
     weight = getattr(module, "weight", None)
     if callable(weight) and not isinstance(weight, torch.Tensor):
@@ -122,4 +145,4 @@ def same(a: Fingerprint, b: Fingerprint) -> bool:
     return a == b
 
 
-__all__ = ["Fingerprint", "fingerprint", "read_once", "same"]
+__all__ = ["Fingerprint", "Packed", "fingerprint", "read_once", "same"]
