@@ -195,10 +195,17 @@ def test_a_draft_vocabulary_takes_rows_of_one_dequantized_copy():
     assert copy.shape == (99, 32) and type(copy) is torch.Tensor
 
 
-def test_dynamic_int8_verifies_each_token_with_its_own_scale():
+def test_dynamic_int8_verifies_each_token_with_its_own_scale(monkeypatch):
     """One activation scale per call makes a token's output depend on its neighbours; within
-    `per_token_activations` a k-token call gives each token exactly its one-token result."""
-    (linear,) = weights.per_token_linears(quantize_target(nn.Sequential(nn.Linear(16, 8)), "dynamic-int8"))
+    `per_token_activations` a k-token call gives each token exactly its one-token result. `OPTIONS.per_token_verify`
+    off: no linear is computed token by token."""
+    from dspark_hf.kernels.options import OPTIONS
+
+    model = quantize_target(nn.Sequential(nn.Linear(16, 8)), "dynamic-int8")
+    (linear,) = weights.per_token_linears(model)
+    monkeypatch.setattr(OPTIONS, "per_token_verify", False)
+    assert weights.per_token_linears(model) == []
+    monkeypatch.setattr(OPTIONS, "per_token_verify", True)
     x = torch.randn(1, 3, 16)
     x[0, 2] *= 50  # one large activation widens the shared scale
     alone = torch.cat([linear(x[:, i : i + 1]) for i in range(3)], dim=1)

@@ -23,6 +23,7 @@ class Options:
     round_threads: bool = True  # each round's thread count measured under load (`threads`); off: the caller's
     in_place_cache: bool = True  # the target cache writes new slots in place (`decoding.ragged_cache.AppendLayer`)
     select_hidden_states: bool = True  # the target returns only the drafter's tapped layers (`decoding.core`)
+    per_token_verify: bool = True  # dynamic int8 targets verify token by token (`weights.per_token_activations`)
     narrow_draft: bool = True  # greedy chains drafted among the draft vocabulary's columns alone (`decoding.drafting`)
 
 

@@ -30,12 +30,12 @@ from transformers.utils import logging
 
 from ..utils.devices import module_device
 from .few_rows import kept_copy
+from .options import OPTIONS
 
 
 logger = logging.get_logger(__name__)
 
 DENSE, SUBCLASS, QUANTIZED, HOOKED = "dense", "subclass", "quantized", "hooked"
-PER_TOKEN_VERIFY = True  # verify passes quantize each token's activations alone (`per_token_activations`)
 # weight classes of bitsandbytes (parameter subclasses holding packed integers), by name: never imported here
 _BNB_WEIGHTS = {"Params4bit", "Int8Params"}
 
@@ -219,8 +219,9 @@ def _per_token_class(cls: type) -> type:
 
 
 def per_token_linears(model: nn.Module) -> list[nn.Module]:
-    """The model's modules that `per_token_activations` computes token by token (none with `PER_TOKEN_VERIFY` off)."""
-    if not PER_TOKEN_VERIFY:
+    """The model's modules that `per_token_activations` computes token by token (none with `OPTIONS.per_token_verify`
+    off)."""
+    if not OPTIONS.per_token_verify:
         return []
     return [m for m in model.modules() if rounds_by_call(m) and "forward" not in vars(m)]
 
