@@ -101,7 +101,9 @@ def run_cell(target, tokenizer, drafter, cell: dict, new_tokens: int, repeats: i
     import torch
 
     ids, mask = padded_batch(tokenizer, prompts_for(tokenizer, cell["prompt"], int(cell["batch"])))
-    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    # sampled rows draw other tokens than transformers' sampling: every row makes all its tokens (no early stop token),
+    # so that both sides decode as many rows for as many steps
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_new_tokens": new_tokens}
     settings = {"max_new_tokens": new_tokens, **(sampling if cell["mode"] == "t1" else {"do_sample": False})}
     drafter.config.tree_budget = 16 if cell["draft"] == "tree" else 0
 
