@@ -181,10 +181,7 @@ class DSparkCandidateGenerator(_Generator):
                         break  # the survivals seen decide every row's length, and none verifies position k + 1
             if k == base.shape[1]:
                 base = torch.cat([base, self._base_logits(hidden[:, k:steps], narrow)], dim=1)
-            if narrow is None:
-                bias, next_state = drafter.draft_sequential_bias(prev, h_k, state)
-            else:
-                bias, next_state = drafter.sequential_bias(prev, h_k, state, vocab_ids=narrow)
+            bias, next_state = self._sequential_bias(prev, h_k, state, narrow)
             logits = base[:, k] if bias is None else base[:, k] + bias[:, 0]  # (B, V) or (B, V')
             if narrow is not None:  # greedy rows, nothing processed: the argmax among the draft vocabulary's columns
                 tokens[:, k] = narrow[logits.argmax(dim=-1)]
@@ -220,6 +217,12 @@ class DSparkCandidateGenerator(_Generator):
         if narrow is None:
             return self.drafter.draft_base_logits(hidden, self.lm_head)
         return self.drafter.base_logits(hidden, self.lm_head, narrow)
+
+    def _sequential_bias(self, prev, hidden, state, narrow: torch.Tensor | None):
+        """B_k and the head's next state: (B, 1, V), or over the draft vocabulary's columns `narrow` alone."""
+        if narrow is None:
+            return self.drafter.draft_sequential_bias(prev, hidden, state)
+        return self.drafter.sequential_bias(prev, hidden, state, vocab_ids=narrow)
 
     def _tree(self, hidden: torch.Tensor, rows, caps: list[int], budget: int, policy=None) -> Drafts:
         """A best-first tree per row (`trees.grow_trees`): at most `budget` nodes, depth <= caps[r].

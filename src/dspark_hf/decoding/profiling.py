@@ -27,7 +27,7 @@ from transformers.utils import logging
 from ..kernels.lean_forward import run_target
 from ..kernels.verify_head import eligible_linears, version
 from ..kernels.verify_linears import KernelTable, kernel_choice
-from ..kernels.weights import per_token_activations, per_token_linears, plain_tensor, quantization
+from ..kernels.weights import per_token_activations, per_token_linears, plain_tensor, quantization, unpacked_weight
 from ..utils.devices import model_device
 from .ragged_cache import AppendCache
 from .scheduler import SPS
@@ -135,9 +135,7 @@ def weight_bytes(target) -> int:
     for module in target.modules():
         if not isinstance(module, torch.nn.Linear) and not type(module).__name__.endswith("Linear"):
             continue
-        weight = getattr(module, "weight", None)
-        if callable(weight) and not isinstance(weight, torch.Tensor):  # dynamic int8: `weight()` unpacks it
-            weight = weight()
+        weight = unpacked_weight(module)
         if isinstance(weight, torch.Tensor):
             alive.append(weight)
             for tensor in _stored_tensors(weight):

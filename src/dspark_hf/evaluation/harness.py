@@ -50,7 +50,7 @@ from ..kernels import verify_head, verify_linears
 from ..serving.engine import Engine
 from ..utils.prompts import encode
 from .inputs import load_assistant, parse_datasets, parse_drafters
-from .report import _baseline_entry, _run_entry, format_evaluation, model_card_results
+from .report import BASELINES, _baseline_entry, _run_entry, format_evaluation, model_card_results
 from .report import _decode_phase_entry as _decode_phase_entry
 from .rounds import FirstTokenClock, RoundLog, observe_assistant, round_breakdown, stats_from_rounds
 
@@ -58,8 +58,8 @@ from .rounds import FirstTokenClock, RoundLog, observe_assistant, round_breakdow
 PADDED = "padded plain"  # the mode label of the kernel-neutral baseline (plain steps through the verify kernels)
 COMPILED = "compiled plain"  # the mode label of transformers' compiled static-cache plain decoding
 OWN = "own plain"  # the mode label of this package's plain decoding (its decode round with no drafter)
-# the extra plain baselines: mode label -> the name its JSON fields carry (`report.BASELINES`)
-EXTRA_BASELINES = {PADDED: "padded", COMPILED: "compiled", OWN: "own"}
+# the extra plain baselines: mode label -> the name its JSON fields carry (`report.BASELINES`, in its order)
+EXTRA_BASELINES = dict(zip((PADDED, COMPILED, OWN), BASELINES))
 WARMUP_TOKENS = 256  # the warm-up decodes this much of the first prompt
 
 logger = logging.get_logger(__name__)

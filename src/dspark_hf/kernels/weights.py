@@ -45,6 +45,15 @@ def _raw_weight(module: nn.Module):
     return getattr(module, "weight", None)
 
 
+def unpacked_weight(module: nn.Module):
+    """The module's weight as a tensor where it keeps one packed (PyTorch's dynamic int8 `Linear`: `weight()` unpacks
+    a quantized tensor, a copy each call); otherwise `weight` as stored (a tensor, None, or something else)."""
+    weight = _raw_weight(module)
+    if callable(weight) and not isinstance(weight, torch.Tensor):
+        weight = weight()
+    return weight
+
+
 def weight_kind(module: nn.Module) -> str:
     """ "dense", "subclass", "quantized" or "hooked" (see the module docstring); hooks are checked first, since a
     hooked module's weight may not even be where it computes."""
@@ -136,9 +145,7 @@ def _dequantize(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """A float (out, in) copy of a linear-like module's weight: the weight's own `dequantize()` where it has one
     (torchao subclasses, PyTorch's quantized tensors), else the module applied to the identity, which is exact for
     weight-only quantized linears (the bias, if any, is taken off again)."""
-    weight = _raw_weight(module)
-    if callable(weight) and not isinstance(weight, torch.Tensor):
-        weight = weight()  # PyTorch's dynamic int8 Linear: a quantized tensor
+    weight = unpacked_weight(module)
     if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
         own = getattr(type(weight), "dequantize", torch.Tensor.dequantize) is not torch.Tensor.dequantize
         if weight.is_quantized or own:  # PyTorch's quantized tensors, torchao's subclasses (not bitsandbytes')
@@ -260,5 +267,6 @@ __all__ = [
     "per_token_linears",
     "plain_tensor",
     "quantization",
+    "unpacked_weight",
     "weight_kind",
 ]
