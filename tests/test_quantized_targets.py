@@ -167,9 +167,10 @@ def test_generate_with_a_drafter_equals_the_quantized_targets_own_greedy(kind):
 def test_batches_and_the_engine_give_each_row_its_own_greedy(kind):
     """Every row of a batch (generate() left-padded, the Engine) equals its prompt's plain batch-1 greedy output on the
     quantized target. For dynamic int8 (one activation scale per call, so its own batched generate() depends on the
-    batch) the decoder prefills prompts one by one and verifies token by token; that makes it exact here, while on
+    batch) the Engine prefills prompts one by one and verifies token by token; that makes it exact here, while on
     real targets the int8 rounding step can still turn float rounding in attention into a flipped near-tie
-    (docs/quantization.md has the count)."""
+    (docs/quantization.md has the count). A batched generate() on such a target decodes plain instead (token by
+    token verifies would make it slower than plain): exactly the target's own batched generate(), no drafts."""
     target, drafter, _ = built(kind)
     plain = [
         target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12)[0, len(p) :].tolist() for p in PROMPTS
@@ -178,9 +179,41 @@ def test_batches_and_the_engine_give_each_row_its_own_greedy(kind):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in PROMPTS])[:, None]).long()
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, assistant_model=drafter)
-    assert out[:, width:].tolist() == plain
+    if kind == "dynamic-int8":
+        batched = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+        assert torch.equal(out, batched)
+        stats = drafter.generation_stats
+        assert stats.num_new_tokens == 12 * len(PROMPTS) and stats.gated_rounds == 11 * len(PROMPTS)
+        assert stats.acceptance_length == 1.0 and sum(stats.verify_lengths) == 0
+    else:
+        assert out[:, width:].tolist() == plain
     engine = Engine(target, make_drafter(target), verify_policy="fixed")
     assert engine.generate(PROMPTS, max_new_tokens=12) == plain
+
+
+def test_a_dynamic_int8_batch_decodes_plain_and_says_why(caplog):
+    """generate() with a drafter on a dynamically quantized target: batch 1 drafts; a batch decodes plain, with one
+    info line naming the reason, and leaves the target as it found it."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    target, drafter, _ = built("dynamic-int8")
+    drafter.config.verify_policy = "fixed"
+    target.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=8, assistant_model=drafter)
+    assert sum(drafter.generation_stats.verify_lengths) > 0  # batch 1: drafted
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
+    hf_logging.set_verbosity_info()
+    try:
+        with caplog.at_level(logging.INFO):
+            out = target.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=drafter)
+    finally:
+        hf_logging.set_verbosity_warning()
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=8))
+    said = [r.getMessage() for r in caplog.records if "dynamically quantized" in r.getMessage()]
+    assert len(said) == 1 and "2 rows" in said[0] and "decodes plain" in said[0]
+    assert sum(drafter.generation_stats.verify_lengths) == 0
+    assert not any(k.startswith("_dspark") for k in vars(target))
 
 
 def test_a_draft_vocabulary_takes_rows_of_one_dequantized_copy():

@@ -230,7 +230,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_kill_9_then_resume_loses_nothing(tmp_path):
-    """SIGKILL a training process mid-run (inside the save of checkpoint-13: 12 is complete, 13's files half
+    """SIGKILL a training process mid-run (inside the save of checkpoint-7: 6 is complete, 7's files half
     written); `--resume` finishes with exactly the weights of an uninterrupted run (which trains beside it, one thread
     each). The child stops itself at that point, so the kill lands there however loaded the machine is."""
     import os
@@ -243,7 +243,7 @@ def test_kill_9_then_resume_loses_nothing(tmp_path):
     target = make_target()
     target.save_pretrained(tmp_path / "target")
     tiny_dataset().save(tmp_path / "data.npz")
-    steps, killed_in = 24, 13
+    steps, killed_in = 12, 7
 
     def command(run):
         return [
@@ -294,7 +294,7 @@ def test_kill_9_then_resume_loses_nothing(tmp_path):
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
     logged = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
-    assert logged == list(range(1, killed_in + 1)) + list(range(killed_in, steps + 1))  # step 13 logged twice
+    assert logged == list(range(1, killed_in + 1)) + list(range(killed_in, steps + 1))  # step 7 logged twice
 
 
 def test_init_from_target_copies_the_top_layers():

@@ -37,6 +37,7 @@ from ..decoding.drafting import is_drafter
 from ..decoding.policy import VerifyPolicy
 from ..decoding.rows import Row
 from ..decoding.stats import DSparkGenerationStats
+from ..kernels.weights import per_token_linears
 from ..models.settings import check_sampling
 from ..utils.compat import check_transformers_version
 
@@ -471,11 +472,71 @@ def _is_dspark_generate(model, custom, trust_remote_code) -> bool:
     )
 
 
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    """Rows in a `generate()` call's prompt tensor (1 where there is none: generation from BOS)."""
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    return ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
+
+
+def _plain_reason(model, args: tuple, kwargs: dict) -> str | None:
+    """Why a call with a drafter decodes plain instead (None: it decodes speculatively).
+
+    A PyTorch dynamically quantized target quantizes each call's activations with one scale for the whole call, so in
+    a batch every row's logits depend on its batch mates. The rows a speculative round verifies can only match plain
+    decoding token by token (`kernels/weights.per_token_activations`), which costs a batch of B rows B calls per
+    linear in every round, plain rounds included: about half plain batched decoding's speed (issue 51's matrix). So
+    such a batch decodes through transformers' own loop, exactly as without the drafter."""
+    rows = _batch_size(args, kwargs)
+    if rows > 1 and per_token_linears(model):
+        return (
+            f"{type(model).__name__} has dynamically quantized linears, whose activation scale spans the whole batch; "
+            f"drafting for {rows} rows at once could keep each row identical to plain decoding only by verifying "
+            "token by token, which is slower than plain, so this call decodes plain (no drafts). Batch 1 drafts."
+        )
+    return None
+
+
+def _routed(model, original, args: tuple, kwargs: dict):
+    """A `generate()` call with `assistant_model=<a drafter of this package>`: speculative through the public hook,
+    or plain where drafting cannot pay (`_plain_reason`; the drafter's `generation_stats` then says so)."""
+    routed = _routed_kwargs(model, kwargs)  # checks the pairing and the arguments either way
+    reason = _plain_reason(model, args, kwargs)
+    if reason is None:
+        return original(model, *args, **routed)
+    logger.info(reason)
+    drafter = kwargs["assistant_model"]
+    plain = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "custom_generate", "trust_remote_code")}
+    out = original(model, *args, **plain)
+    drafter.generation_stats = _plain_stats(model, drafter, args, kwargs, out)
+    return out
+
+
+def _plain_stats(model, drafter, args: tuple, kwargs: dict, out) -> DSparkGenerationStats:
+    """The statistics of a call decoded plain: every step a target forward with no draft, counted as gated."""
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    width = ids.shape[-1] if isinstance(ids, torch.Tensor) else 0
+    mask = kwargs.get("attention_mask")
+    config = kwargs.get("generation_config") or model.generation_config
+    eos = config.eos_token_id if config.eos_token_id is not None else model.generation_config.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else eos or [])
+    stats = DSparkGenerationStats(drafter.config.block_size)
+    stats.num_prompt_tokens = int(mask.sum()) if isinstance(mask, torch.Tensor) else width * len(sequences)
+    for row in sequences[:, width:].tolist():
+        ends = [i for i, token in enumerate(row) if token in eos]
+        new = ends[0] + 1 if ends else len(row)
+        stats.num_new_tokens += new
+        for _ in range(new - 1):  # the first token is the prefill's
+            stats.record_step(0, 0)
+        stats.gated_rounds += max(0, new - 1)
+    return stats
+
+
 def generate(model, *args, **kwargs):
     """`model.generate(*args, **kwargs)` with `assistant_model=<a drafter of this package>` run speculatively through
     the public hook; any other call is transformers' own. Also the Hub `custom_generate/generate.py` entry point."""
     if is_drafter(kwargs.get("assistant_model")):
-        kwargs = _routed_kwargs(model, kwargs)
+        return _routed(model, _original_generate, args, kwargs)
     return _original_generate(model, *args, **kwargs)
 
 
@@ -499,7 +560,7 @@ def install() -> None:
     @functools.wraps(current)
     def routed(self, *args, **kwargs):
         if is_drafter(kwargs.get("assistant_model")):
-            kwargs = _routed_kwargs(self, kwargs)
+            return _routed(self, current, args, kwargs)
         return current(self, *args, **kwargs)
 
     setattr(routed, _MARKER, True)
