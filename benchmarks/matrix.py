@@ -11,7 +11,7 @@ own sampling draws differently, so T=1 cells compare speed only). The axes:
   mode     greedy or T=1 (seeded)
   prompt   256 or 4k tokens (a document and a question, `evaluation/long_context.py`)
   load     quiet, or beside a one-thread matmul process (a CPU hog)
-  draft    chain, or a tree of 16 nodes
+  draft    chain, a tree of 16 nodes, or "auto" (the shipped setting: trees where the profile pays for them)
 
 Cells are appended to a JSON file as they finish (`--out`), and a rerun skips the cells already there, so a long
 matrix can be stopped and resumed. Run a subset with the axis options, e.g.
@@ -38,7 +38,7 @@ AXES = {
     "modes": ("greedy", "t1"),
     "prompts": ("256", "4k"),
     "loads": ("quiet", "hog"),
-    "drafts": ("chain", "tree"),
+    "drafts": ("chain", "tree", "auto"),
 }
 IDENTITY_PROMISED = {"fp32", "int8-weight", "int4-weight"}  # bf16 and dynamic int8 may flip near-ties
 HOG = "import torch; torch.set_num_threads(1); a = torch.randn(1500, 1500)\nwhile True: a @ a"
@@ -105,7 +105,7 @@ def run_cell(target, tokenizer, drafter, cell: dict, new_tokens: int, repeats: i
     # so that both sides decode as many rows for as many steps
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_new_tokens": new_tokens}
     settings = {"max_new_tokens": new_tokens, **(sampling if cell["mode"] == "t1" else {"do_sample": False})}
-    drafter.config.tree_budget = 16 if cell["draft"] == "tree" else 0
+    drafter.config.tree_budget = {"chain": 0, "tree": 16, "auto": "auto"}[cell["draft"]]
 
     def generate(with_drafter: bool):
         torch.manual_seed(0)

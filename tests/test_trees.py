@@ -359,3 +359,160 @@ def test_negative_control_a_node_taken_without_the_targets_choice_is_detected(mo
     monkeypatch.setattr(core, "accept_tree", first_node_taken)
     (rejects, stat, critical), _ = _tree_chi_square()
     assert rejects, f"the test failed to notice nodes taken without the target's choice (chi2 {stat:.1f})"
+
+
+# -- tree_budget="auto": trees where the round can price them and the machine's profile makes width cheap ---------
+
+
+FLAT = {b: 100.0 for b in range(1, 64)}  # width free: every verify costs one step
+STEEP = {b: 100.0 / b for b in range(1, 64)}  # each token one more step (a target verifying token by token)
+
+
+def _spy_budgets(monkeypatch) -> list:
+    """The tree budget of every draft pass (0: a chain), as the decoder resolves it round by round."""
+    from dspark_hf.decoding.drafting import DSparkCandidateGenerator
+
+    seen, original = [], DSparkCandidateGenerator.propose
+
+    def propose(self, *args, tree_budget=0, **kwargs):
+        seen.append(tree_budget)
+        return original(self, *args, tree_budget=tree_budget, **kwargs)
+
+    monkeypatch.setattr(DSparkCandidateGenerator, "propose", propose)
+    return seen
+
+
+def _info_lines(caplog, run) -> list[str]:
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_info()
+    try:
+        with caplog.at_level(logging.INFO):
+            run()
+    finally:
+        hf_logging.set_verbosity_warning()
+    return [r.getMessage() for r in caplog.records if 'tree_budget="auto"' in r.getMessage()]
+
+
+def test_auto_drafts_trees_where_the_profile_makes_width_cheap(target, monkeypatch, caplog):
+    """Under Algorithm 1, "auto" drafts trees of AUTO_TREE_BUDGET nodes on a flat profile and chains on a profile
+    where each verified token costs a step (one info line says why); greedy output is plain greedy either way."""
+    from dspark_hf.models.settings import AUTO_TREE_BUDGET
+
+    seen = _spy_budgets(monkeypatch)
+    ids = torch.randint(0, 99, (2, 5))
+    ref = greedy(target, ids, max_new_tokens=12)
+    lines = {}
+    for name, sps, want in (("flat", FLAT, AUTO_TREE_BUDGET), ("steep", STEEP, 0)):
+        drafter = tree_drafter(target, "auto", verify_policy="scheduler", draft_gate=False)
+        drafter.sps_profile = sps
+        seen.clear()
+        out = []
+
+        def run(d=drafter, out=out):
+            out.append(greedy(target, ids, max_new_tokens=12, assistant_model=d))
+
+        lines[name] = _info_lines(caplog, run)
+        assert torch.equal(out[0], ref), name
+        assert seen and set(seen) == {want}, name
+        assert drafter.config.tree_budget == "auto"  # the setting is left as it was
+    assert lines["flat"] == []
+    assert any("costs 17.0 one-token steps" in line for line in lines["steep"])
+
+
+def test_auto_drafts_chains_where_a_round_cannot_take_a_tree(target, monkeypatch, caplog):
+    """ "auto" never refuses a call: the threshold policy (which does not price nodes against the machine), a
+    sliding-window target (a tree's mask) and rows sampling with sampling="standard" (chains only) get chains, where
+    an explicit budget is refused."""
+    seen = _spy_budgets(monkeypatch)
+    ids = torch.randint(0, 99, (1, 5))
+    drafter = tree_drafter(target, "auto", verify_policy="threshold")
+    lines = _info_lines(caplog, lambda: greedy(target, ids, max_new_tokens=8, assistant_model=drafter))
+    assert set(seen) == {0} and any('verify_policy="threshold" does not price' in line for line in lines)
+    sliding = make_target(config_cls=MistralConfig, model_cls=MistralForCausalLM, sliding_window=6)
+    seen.clear()
+    auto = tree_drafter(sliding, "auto", verify_policy="scheduler")
+    auto.sps_profile = FLAT
+    plain = greedy(sliding, ids, max_new_tokens=8)
+    assert torch.equal(plain, greedy(sliding, ids, max_new_tokens=8, assistant_model=auto))
+    assert set(seen) == {0}
+    from test_sampling import PROMPT, setup_models
+
+    small, sampler = setup_models()
+    sampler.config.verify_policy, sampler.sps_profile = "scheduler", FLAT
+    runs = {}
+    for budget in (0, "auto"):
+        sampler.config.tree_budget = budget
+        seen.clear()
+        torch.manual_seed(3)
+        runs[budget] = small.generate(
+            PROMPT, do_sample=True, max_new_tokens=6, assistant_model=sampler, sampling="standard"
+        )
+        assert set(seen) <= {0}
+    assert torch.equal(runs[0], runs["auto"])  # the same chains, the same seed: the same tokens
+    sampler.config.tree_budget = 8
+    with pytest.raises(ValueError, match="sampling='standard' verifies chains only"):
+        small.generate(PROMPT, do_sample=True, max_new_tokens=6, assistant_model=sampler, sampling="standard")
+
+
+def test_auto_keeps_same_seed_same_tokens(monkeypatch):
+    """Coupled sampling: "auto" (trees here) gives the tokens of a chain and of plain seeded decoding."""
+    from test_sampling import seeded_generate
+
+    seen = _spy_budgets(monkeypatch)
+    target, drafter = _tree_sampling_models()
+    drafter.config.verify_policy, drafter.config.draft_gate, drafter.sps_profile = "scheduler", False, FLAT
+    prompts = [[1, 2, 3, 0, 1], [3, 1]]
+    drafter.config.tree_budget = 0
+    chain = seeded_generate(target, drafter, prompts, 5, verify_policy="scheduler", temperature=0.8)
+    drafter.config.tree_budget = "auto"
+    seen.clear()
+    assert seeded_generate(target, drafter, prompts, 5, verify_policy="scheduler", temperature=0.8) == chain
+    assert 16 in seen
+
+
+def test_auto_is_a_valid_setting_and_other_strings_are_not():
+    assert DSparkConfig(tree_budget="auto").tree_budget == "auto"
+    with pytest.raises(ValueError, match='"auto" or an int in 0..128'):
+        DSparkConfig(tree_budget="trees")
+
+
+def test_a_trees_top_path_is_priced_as_the_chain(target, monkeypatch):
+    """With a confidence head, a tree's first child is estimated by the head's calibrated c_k, exactly the survival the
+    chain drafting that path gets, and its other children share 1 - c_k by draft probability (so Algorithm 1 prices a
+    tree's top path as it prices the chain)."""
+    from dspark_hf.decoding import drafting
+
+    chains, trees = [], []
+    sample, grow = drafting.DSparkCandidateGenerator._sample, drafting.grow_trees
+
+    def recorded_sample(self, *args, **kwargs):
+        chains.append(sample(self, *args, **kwargs))
+        return chains[-1]
+
+    monkeypatch.setattr(drafting.DSparkCandidateGenerator, "_sample", recorded_sample)
+    monkeypatch.setattr(drafting, "grow_trees", lambda *a, **k: trees.append(grow(*a, **k)) or trees[-1])
+    drafter = tree_drafter(target, 0)
+    ids = torch.randint(0, 99, (1, 6))
+    greedy(target, ids, max_new_tokens=9, assistant_model=drafter)
+    drafter.config.tree_budget = 6
+    greedy(target, ids, max_new_tokens=9, assistant_model=drafter)
+    chain, (tree,) = chains[0], trees[0]
+    first = chain.tokens[0, 0].item()
+    (node,) = [i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == -1 and t == first]
+    assert tree.scores[node] == pytest.approx(chain.conditional[0][0], abs=1e-6)
+    siblings = [tree.scores[i] for i, p in enumerate(tree.parents) if p == -1 and i != node]
+    assert siblings and sum(siblings) <= 1 - tree.scores[node] + 1e-6
+
+
+def test_head_estimates_share_what_the_head_leaves():
+    from dspark_hf.decoding.drafting import _head_estimates
+
+    kept = [(5, 0.5), (7, 0.3), (9, 0.2)]
+    high = _head_estimates(kept, 0.8, sort=True)
+    assert [t for t, _ in high] == [5, 7, 9] and [e for _, e in high] == pytest.approx([0.8, 0.2 * 0.6, 0.2 * 0.4])
+    low = _head_estimates(kept, 0.1, sort=True)  # a doubtful head: a sibling may be the better bet
+    assert low[0] == (7, pytest.approx(0.9 * 0.6)) and (5, 0.1) in low
+    assert _head_estimates(kept, 0.1, sort=False)[0] == (5, 0.1)  # a sampling row keeps its coupled draft first

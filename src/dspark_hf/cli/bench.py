@@ -165,17 +165,17 @@ def _sweeps(args) -> tuple[list[float], list[int], list[int], list[int] | None]:
     return temperatures, lengths, budgets, context_lengths
 
 
-def _tree_budgets(text: str | None) -> list[int]:
-    """`--tree-budget 0,8,16,32` -> [0, 8, 16, 32] (0: the chain); None -> []."""
+def _tree_budgets(text: str | None) -> list[int | str]:
+    """`--tree-budget 0,8,16,auto` -> [0, 8, 16, "auto"] (0: the chain); None -> []."""
     if text is None:
         return []
     try:
-        budgets = [int(b) for b in text.split(",") if b.strip()]
+        budgets = [b.strip() if b.strip() == "auto" else int(b) for b in text.split(",") if b.strip()]
     except ValueError:
         budgets = []
     require(
-        bool(budgets) and all(b >= 0 for b in budgets),
-        f"--tree-budget {text!r} must be comma-separated ints >= 0, e.g. 0,8,16,32 (0: the chain).",
+        bool(budgets) and all(b == "auto" or b >= 0 for b in budgets),
+        f"--tree-budget {text!r} must be comma-separated ints >= 0 or auto, e.g. 0,16,auto (0: the chain).",
     )
     return budgets
 

@@ -31,6 +31,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 import torch
+from transformers.utils import logging
 
 from ..kernels.freshness import drop_stale
 from ..kernels.lean_forward import run_target
@@ -40,7 +41,7 @@ from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import per_token_activations, per_token_linears
-from ..models.settings import check_sampling
+from ..models.settings import AUTO_TREE_BUDGET, AUTO_TREE_WIDTH_COST, check_sampling
 from ..utils.compat import selects_hidden_states
 from ..utils.devices import model_device
 from .acceptance import accept_greedy, accept_tree
@@ -51,6 +52,9 @@ from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, accept_standard_rows, choose_tokens, process_logits
 from .stats import RECORDERS, DraftRound
 from .trees import slot_parents, slot_paths, tree_attention_mask
+
+
+logger = logging.get_logger(__name__)
 
 
 class SpeculativeDecoder:
@@ -98,6 +102,9 @@ class SpeculativeDecoder:
             policy = VerifyPolicy("fixed")
         self.policy = policy
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
+        # `tree_budget="auto"`: whether this target and policy take trees (each round still drops to a chain for
+        # rows sampling with sampling="standard")
+        self._auto_trees = self._trees_pay()
         self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
         # what is kept for this target on this machine (kernel ways, packs, threads, the gate's measurements)
         self.runtime = runtime_for(target)
@@ -273,13 +280,42 @@ class SpeculativeDecoder:
 
     @property
     def tree_budget(self) -> int:
-        """The drafter's `config.tree_budget` (0: chains), read each round."""
-        return getattr(self.candidates, "tree_budget", 0) if self.candidates is not None else 0
+        """This round's tree budget (0: chains): the drafter's `config.tree_budget`, read each round; "auto" is
+        `AUTO_TREE_BUDGET` where this decoder takes trees (`_trees_pay`) and no row samples with
+        sampling="standard", else 0."""
+        return self._tree_budget_for(self.rows)
+
+    def _tree_budget_for(self, rows: list[Row]) -> int:
+        budget = getattr(self.candidates, "tree_budget", 0) if self.candidates is not None else 0
+        if budget != "auto":
+            return budget
+        return AUTO_TREE_BUDGET if self._auto_trees and not any(row.standard for row in rows) else 0
+
+    def _trees_pay(self) -> bool:
+        """Whether `tree_budget="auto"` drafts trees here: a drafter that grows them, a target that can take a
+        tree's mask (no sliding window), and a policy that prices nodes against a profile where width is cheap
+        enough (`VerifyPolicy.prices_trees`). Says once why not, where the drafter asks for "auto"."""
+        if self.candidates is None or getattr(self.candidates, "tree_budget", 0) != "auto":
+            return False
+        why = None
+        if self.sliding:
+            why = f"{type(self.target).__name__} has sliding-window layers, which cannot take a tree's mask"
+        elif self.policy.name != "scheduler":
+            why = f'verify_policy="{self.policy.name}" does not price tree nodes (Algorithm 1, "scheduler", does)'
+        elif not self.policy.prices_trees(AUTO_TREE_BUDGET):
+            cost = self.policy.sps(1) / self.policy.sps(AUTO_TREE_BUDGET + 1)
+            why = (
+                f"a verify of {AUTO_TREE_BUDGET + 1} tokens costs {cost:.1f} one-token steps on this target's profile "
+                f"(trees need at most {AUTO_TREE_WIDTH_COST})"
+            )
+        if why is not None:
+            logger.info_once(f'tree_budget="auto" drafts chains here: {why}.')
+        return why is None
 
     def _check_tree(self, rows: list[Row] = ()) -> None:
         """Trees need every layer to see exactly the mask given: refuse sliding-window targets by name; and chains
         for rows with standard sampling (`acceptance.accept_standard`)."""
-        budget = self.tree_budget
+        budget = self._tree_budget_for([*self.rows, *rows])
         if not budget:
             return
         for row in [*self.rows, *rows]:
@@ -310,9 +346,11 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         caps = self._caps()
         self._check_tree()
-        drafts = self.candidates.propose(self.rows, caps, self.policy, early=self.stop_sampling_early)
+        budget = self.tree_budget
+        early = self.stop_sampling_early
+        drafts = self.candidates.propose(self.rows, caps, self.policy, early=early, tree_budget=budget)
         if self.context_lookup:
-            drafts, caps = self.lookup.merge(self.rows, drafts, caps, self.context_lookup, self.tree_budget)
+            drafts, caps = self.lookup.merge(self.rows, drafts, caps, self.context_lookup, budget)
         # a chain's caps bound its positions, a tree's its depth: the policy then chooses among its nodes
         limits = drafts.lengths if drafts.is_tree else caps
         drafts.lengths = self.policy.lengths(drafts.conditional, limits)

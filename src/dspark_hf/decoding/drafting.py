@@ -94,8 +94,8 @@ class DSparkCandidateGenerator(_Generator):
         self.cache = RaggedCache(self.device)
 
     @property
-    def tree_budget(self) -> int:
-        """`config.tree_budget`, read each round (0: chains)."""
+    def tree_budget(self) -> int | str:
+        """`config.tree_budget` as set, read each round (0: chains; "auto": the decoder decides per round)."""
         return getattr(self.config, "tree_budget", 0)
 
     @property
@@ -103,11 +103,12 @@ class DSparkCandidateGenerator(_Generator):
         """`config.context_lookup`, read each round (0: the drafter's chains only; `decoding/lookup.py`)."""
         return getattr(self.config, "context_lookup", 0)
 
-    def propose(self, rows, caps: list[int], policy, early: bool = True):
+    def propose(self, rows, caps: list[int], policy, early: bool = True, tree_budget: int = 0):
         """Drafts for every row: `core.Drafts` with tokens (B, K), logits (B, K, V) and conditional confidences;
-        with `config.tree_budget` a tree per row (`decoding/trees.py`), caps[r] bounding its depth."""
-        if self.tree_budget:
-            return self._tree(self._block(rows), rows, caps, self.tree_budget, policy if early else None)
+        with `tree_budget` nodes (the round's, `SpeculativeDecoder.tree_budget`) a tree per row
+        (`decoding/trees.py`), caps[r] bounding its depth."""
+        if tree_budget:
+            return self._tree(self._block(rows), rows, caps, tree_budget, policy if early else None)
         return self._sample(self._block(rows), rows, caps, policy, early)
 
     def _block(self, rows) -> torch.Tensor:
@@ -229,8 +230,9 @@ class DSparkCandidateGenerator(_Generator):
 
         hidden (B, γ, d). U_k is computed once per depth for every row; a node at depth k - 1 (the anchor: 0) gets as
         children the top candidates of l = processors(U_k + B_k(its token)), its path's tokens as their prefix, each
-        scored by its draft probability softmax(l), or for a greedy row with `config.tree_calibration` that
-        probability calibrated (`node_children`). A sampling row ranks them by l + g, with g the Gumbel noise its
+        scored by the confidence head and its draft probability (`node_children`: the first child's estimate is the
+        chain's c_k), or for a greedy row with `config.tree_calibration` by that fit. A sampling row ranks them by
+        l + g, with g the Gumbel noise its
         target choice at that position uses (`randomness.py`), so its first child is the coupled draft: the tree
         then holds the chain it would have drafted, and more. The nodes' path estimates take the place of
         survivals for the policy. With a `policy` that can stop early (the CPU default), growth stops once the
@@ -251,7 +253,9 @@ class DSparkCandidateGenerator(_Generator):
             if max(tree.depth(node) for _, tree, node in entries) >= base[0].shape[1]:  # deeper: the rest at once
                 rest = self.drafter.draft_base_logits(hidden[:, base[0].shape[1] : depth], self.lm_head)
                 base[0] = torch.cat([base[0], rest], dim=1)
-            return node_children(self.drafter, hidden, base[0], anchors, entries, budget, rows, fit)
+            return node_children(
+                self.drafter, hidden, base[0], anchors, entries, budget, rows, fit, temperatures=self.temperatures
+            )
 
         def settled(trees, open_rows):
             conditional = [conditional_confidences(tree.scores) for tree in trees]
@@ -276,7 +280,7 @@ class DSparkCandidateGenerator(_Generator):
         return torch.where(empty[:, None], full, logits)
 
 
-def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=None, fit=None):
+def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=None, fit=None, temperatures=None):
     """Candidate children of a batch of tree nodes, `grow_trees`' `expand`: per (row, tree, node) entry (node -1:
     the row's anchor), (tokens, estimates, state) of its top `budget` candidates, best first.
 
@@ -284,8 +288,12 @@ def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=Non
     anchor token. A node at depth d gets l = U_{d+1} + B_{d+1}(its token) (its sequential-head state carried),
     under `rows[r]`'s logits processors with its path as prefix; a sampling row ranks by l + g, its target choice's
     Gumbel noise at that position (`randomness.py`), so its first child is the coupled draft. A child's estimate is
-    its draft probability softmax(l), calibrated for greedy rows by `fit` (`trees.calibrated`). rows None: greedy
-    rows without processors (`training/calibration.py` grows held-out blocks' trees with it).
+    its draft probability softmax(l), calibrated for greedy rows by `fit` (`trees.calibrated`). Else, with
+    `temperatures` (the STS temperatures per depth) and a confidence head, the first child's estimate is the head's
+    calibrated c = sigmoid(conf(h, parent) / T_depth), exactly the survival a chain drafting that path gives it, and
+    the others share 1 - c in proportion to their draft probabilities: the policy then prices a tree's top path as it
+    prices the chain, and its side branches by what the head leaves. rows None: greedy rows without processors
+    (`training/calibration.py` grows held-out blocks' trees with it).
     """
     index = torch.tensor([r for r, _, _ in entries], device=hidden.device)
     levels = [tree.depth(node) for _, tree, node in entries]
@@ -311,16 +319,34 @@ def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=Non
     top = torch.topk(ranked, min(budget, logits.shape[-1]), dim=-1)
     probs = torch.softmax(logits, dim=-1).gather(1, top.indices)  # (n, k)
     finite = torch.isfinite(top.values)  # a token the processors ruled out is never a child
+    heads = None
+    if fit is None and temperatures is not None:
+        conf = drafter.confidence_logits(hidden[index, level][:, None], prev)  # (n, 1), or None without the head
+        if conf is not None:
+            scale = torch.tensor([temperatures[d] for d in levels], device=conf.device)
+            heads = torch.sigmoid(conf[:, 0] / scale).tolist()  # c of each node's first child, as a chain's c_k
     out = []
     for i, (tokens, p, ok) in enumerate(zip(top.indices.tolist(), probs.tolist(), finite.tolist())):
         kept = [(t, q) for t, q, o in zip(tokens, p, ok) if o]
-        if fit is not None and (entry_rows is None or not entry_rows[i].do_sample):
+        greedy = entry_rows is None or not entry_rows[i].do_sample
+        if fit is not None and greedy:
             estimates = calibrated([q for _, q in kept], levels[i] + 1, fit)  # the children sit at depth levels[i] + 1
             # best estimate first: where fewer nodes than children are left, `grow_trees` keeps the first ones
             kept = sorted(zip([t for t, _ in kept], estimates), key=lambda child: -child[1])
+        elif heads is not None and kept:
+            kept = _head_estimates(kept, heads[i], sort=greedy)
         child_state = None if next_state is None else next_state[i]
         out.append(([t for t, _ in kept], [q for _, q in kept], child_state))
     return out
+
+
+def _head_estimates(kept: list[tuple[int, float]], c: float, sort: bool) -> list[tuple[int, float]]:
+    """(token, estimate) children from (token, draft probability) ones, first child first: the first gets the
+    confidence head's c, the others (1 - c) · q / (1 - q_first). `sort`: best estimate first (a greedy row; a sampling
+    row keeps its coupled draft first)."""
+    rest = max(1.0 - kept[0][1], 1e-9)
+    children = [(kept[0][0], c)] + [(t, (1.0 - c) * min(q / rest, 1.0)) for t, q in kept[1:]]
+    return sorted(children, key=lambda child: -child[1]) if sort else children
 
 
 def _read_back(seen: list[torch.Tensor]) -> list[list[float]]:
@@ -354,8 +380,8 @@ class Eagle3CandidateGenerator(_Generator):
     def reset(self) -> None:
         self.caches = []
 
-    def propose(self, rows, caps: list[int], policy, early: bool = True):
-        steps, drafted = max(caps), []
+    def propose(self, rows, caps: list[int], policy, early: bool = True, tree_budget: int = 0):
+        steps, drafted = max(caps), []  # (chains: EAGLE-3 drafts no trees)
         for row, cap, cache in zip(rows, caps, self.caches):
             if cap == 0:  # its context waits for the next draft
                 drafted.append(None)

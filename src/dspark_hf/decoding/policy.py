@@ -25,6 +25,7 @@ from transformers.utils import logging
 
 from ..kernels.runtime import runtime_for
 from ..models.configuration_dspark import VERIFY_POLICIES
+from ..models.settings import AUTO_TREE_WIDTH_COST, largest_tree
 from .gate import DraftGate, GateMemory
 from .scheduler import SPS, SPSCurve, prefix_schedule, settled_prefix_schedule
 
@@ -87,7 +88,7 @@ class VerifyPolicy:
             from .profiling import sps_for
 
             sps = sps_for(drafter, target)
-        width = max(config.block_size, getattr(config, "tree_budget", 0))  # a tree verifies up to its budget
+        width = max(config.block_size, largest_tree(getattr(config, "tree_budget", 0)))  # a tree: up to its budget
         curve = SPSCurve(covering_sps(sps, max_rows * (width + 1)))
         if gate_drafts is None:
             gate_drafts = bool(getattr(config, "draft_gate", True))
@@ -118,6 +119,14 @@ class VerifyPolicy:
         thread count on trial), so the gate may price rounds by it."""
         if self.gate is not None:
             self.gate.end_round(tokens, measured=measured)
+
+    def prices_trees(self, nodes: int) -> bool:
+        """Whether `tree_budget="auto"` may draft trees of `nodes` nodes under this policy: Algorithm 1 prices every
+        node against the profile, and the profile makes a verify of `nodes` + 1 tokens cost at most
+        `AUTO_TREE_WIDTH_COST` one-token steps (width cheap enough that some nodes can pay for themselves)."""
+        if self.name != "scheduler":
+            return False
+        return self.sps(1) / self.sps(nodes + 1) <= AUTO_TREE_WIDTH_COST
 
     @property
     def stops_early(self) -> bool:

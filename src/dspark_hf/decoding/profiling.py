@@ -28,6 +28,7 @@ from ..kernels.lean_forward import run_target
 from ..kernels.verify_head import eligible_linears, version
 from ..kernels.verify_linears import KernelTable, kernel_choice
 from ..kernels.weights import per_token_activations, per_token_linears, plain_tensor, quantization, unpacked_weight
+from ..models.settings import largest_tree
 from ..utils.devices import model_device
 from .ragged_cache import AppendCache
 from .scheduler import SPS
@@ -521,9 +522,10 @@ def sps_for(drafter, target) -> SPS:
             "profile of the target now (once per drafter). For a precise one run `dspark-hf profile` and put "
             "sps_profile.json in the drafter's checkpoint folder, or set `drafter.sps_profile`."
         )
-        profile = profile_target(
-            target, lengths=range(1, block_size + 2), context_len=64, warmup=1, repeats=2, progress=False
-        )
+        # every chain width; for trees two more, up to the widest tree (wider verifies then take the next one up)
+        widest = largest_tree(getattr(drafter.config, "tree_budget", 0)) + 1
+        lengths = sorted(set(range(1, block_size + 2)) | {n for n in (12, widest) if block_size + 1 < n <= widest})
+        profile = profile_target(target, lengths=lengths, context_len=64, warmup=1, repeats=2, progress=False)
         table = sps_table(profile)
     drafter.sps_profile = table
     drafter._dspark_sps_auto = (key, table)

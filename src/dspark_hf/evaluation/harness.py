@@ -259,11 +259,11 @@ def tree_budget(assistant, budget: int | None):
 
 def tree_variants(drafters: dict, budgets) -> tuple[dict, dict]:
     """({label: assistant}, {label: tree budget}) with every DSpark drafter once per budget ("LABEL chain", "LABEL tree
-    N"); other assistants keep their label (budget None)."""
+    N", "LABEL tree auto"); other assistants keep their label (budget None)."""
     if not budgets:
         return dict(drafters), dict.fromkeys(drafters)
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
-        raise ValueError(f"Tree budgets must be ints >= 0 (0: the chain), got {list(budgets)}.")
+    if any(b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b < 0) for b in budgets):
+        raise ValueError(f'Tree budgets must be ints >= 0 (0: the chain) or "auto", got {list(budgets)}.')
     labelled, by_label = {}, {}
     for label, assistant in drafters.items():
         if not hasattr(getattr(assistant, "config", None), "tree_budget"):

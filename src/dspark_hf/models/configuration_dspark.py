@@ -380,10 +380,14 @@ class DSparkConfig(DrafterConfig):
             `draft_vocab_ids` buffer of the checkpoint, set with `DSparkDraftModel.set_draft_vocab`), so the LM head
             and the sequential head compute N columns. Verification stays exact: a token outside them is simply
             never drafted.
-        tree_budget (`int`): 0 drafts a chain (the block, one token per position); N > 0 drafts a token tree of at
-            most N nodes per row, grown best-first by estimated path acceptance and verified in one target forward
-            (greedy and seeded sampling rows; see docs/trees.md). The verify policy then chooses how many of the
-            tree's best nodes to verify. At most `MAX_TREE_BUDGET` (128): each node is one more verified position.
+        tree_budget (`int` or `"auto"`): 0 drafts a chain (the block, one token per position); N > 0 drafts a
+            token tree of at most N nodes per row, grown best-first by estimated path acceptance and verified in one
+            target forward (greedy and seeded sampling rows; see docs/trees.md). The verify policy then chooses how
+            many of the tree's best nodes to verify. At most `MAX_TREE_BUDGET` (128): each node is one more verified
+            position. `"auto"` (the shipped drafter's setting): a tree of `AUTO_TREE_BUDGET` (16) nodes in rounds
+            that can price and verify one (the "scheduler" policy, no sliding-window layers in the target, no row
+            sampling with `sampling="standard"`) on a target whose profile makes width cheap enough
+            (`AUTO_TREE_WIDTH_COST`), a chain otherwise; the tokens are the same either way.
         tree_calibration (`list`, *optional*): how a tree prices its nodes. None: a node's estimate is its draft
             probability. Otherwise, per draft depth k (block_size lists), one [scale, shift] pair per child rank j
             (by draft probability; ranks past the last use the last pair): the estimate that the target's greedy
@@ -415,7 +419,7 @@ class DSparkConfig(DrafterConfig):
     confidence_threshold: float | int = 0.1
     draft_gate: bool = True
     draft_vocab_size: int = 0
-    tree_budget: int = 0
+    tree_budget: int | str = 0
     tree_calibration: list | None = None
     draft_layer: str = "llama"
     attention_k_eq_v: bool = False

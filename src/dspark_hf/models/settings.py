@@ -18,6 +18,14 @@ LONGEST_LOOKUP = 8  # the longest suffix match `context_lookup` tries (decoding/
 # under the "fixed" policy, and the extra accepted depth shrinks fast with size (docs/trees.md: τ 2.18 / 2.40 / 2.62
 # at 8 / 16 / 32 nodes), so past this a round costs far more than it can gain (10,000 nodes took 207 s for 20 tokens).
 MAX_TREE_BUDGET = 128
+# `tree_budget="auto"`: a tree of this many nodes where the round can price and verify one (the scheduler policy, a
+# target without sliding windows, no row sampling with sampling="standard") and this machine's profile says width is
+# cheap enough: a verify of AUTO_TREE_BUDGET + 1 tokens costing at most AUTO_TREE_WIDTH_COST one-token steps. Else a
+# chain. Algorithm 1 then takes, each round, only the nodes whose expected gain pays for their width. The bound keeps
+# out targets whose verify cost grows with every token (a dynamically quantized target verifies token by token:
+# 17 tokens cost ~17 steps); the CPUs measured so far cost 1.45x (AMD EPYC) and 1.9x (Intel Xeon) there.
+AUTO_TREE_BUDGET = 16
+AUTO_TREE_WIDTH_COST = 2.5
 
 
 def _refuse(name: str, allowed: str, value: Any) -> ValueError:
@@ -54,11 +62,29 @@ def check_sampling(sampling: Any, tree_budget: int = 0, do_sample: bool = True) 
     """`sampling` is one of `SAMPLING_MODES`; "standard" verifies chains only, so a sampling row refuses it beside a
     tree budget (greedy rows ignore `sampling`)."""
     check_choice("sampling", sampling, SAMPLING_MODES)
-    if sampling == "standard" and do_sample and tree_budget:
+    if sampling == "standard" and do_sample and tree_budget and tree_budget != "auto":  # "auto": such rows get chains
         raise ValueError(
             f"sampling='standard' verifies chains only, but drafter.config.tree_budget={tree_budget}. Set "
             "drafter.config.tree_budget = 0, or sample with sampling='coupled' (the default, which trees keep)."
         )
+
+
+def check_tree_budget(value: Any) -> None:
+    """`tree_budget` is "auto" or an int in 0..MAX_TREE_BUDGET."""
+    if value == "auto":
+        return
+    if not _is_int(value) or not 0 <= value <= MAX_TREE_BUDGET:
+        raise _refuse(
+            "tree_budget",
+            f'"auto" or an int in 0..{MAX_TREE_BUDGET} ("auto": trees where this machine pays for them; 0: draft a '
+            "chain; N > 0: a tree of at most N nodes per row, each one more verified position)",
+            value,
+        )
+
+
+def largest_tree(value: Any) -> int:
+    """The most nodes a `tree_budget` setting may draft ("auto": `AUTO_TREE_BUDGET`; 0 for a chain)."""
+    return AUTO_TREE_BUDGET if value == "auto" else int(value or 0)
 
 
 def check_dspark_settings(config, drafter=None) -> None:
@@ -73,13 +99,7 @@ def check_dspark_settings(config, drafter=None) -> None:
     check_bool("draft_gate", config.draft_gate)
     check_bool("confidence_head", config.confidence_head)
     check_bool("confidence_with_markov", config.confidence_with_markov)
-    check_int(
-        "tree_budget",
-        config.tree_budget,
-        0,
-        MAX_TREE_BUDGET,
-        "0: draft a chain; N > 0: a tree of at most N nodes per row, each one more verified position",
-    )
+    check_tree_budget(config.tree_budget)
     check_int(
         "context_lookup",
         config.context_lookup,
@@ -196,6 +216,8 @@ def check_weights_match(config, drafter) -> None:
 
 
 __all__ = [
+    "AUTO_TREE_BUDGET",
+    "AUTO_TREE_WIDTH_COST",
     "LONGEST_LOOKUP",
     "MAX_TREE_BUDGET",
     "SAMPLING_MODES",
@@ -204,5 +226,7 @@ __all__ = [
     "check_dspark_settings",
     "check_int",
     "check_sampling",
+    "check_tree_budget",
     "check_weights_match",
+    "largest_tree",
 ]

@@ -144,9 +144,10 @@ class Engine:
         return None if self.decoder.policy is None else self.decoder.policy.gate
 
     @property
-    def tree_budget(self) -> int:
-        """The drafter's tree budget as it stands now (0: chains, and always 0 without a drafter). Standard sampling
-        verifies chains only, so a sampled request with `sampling="standard"` is refused while this is > 0."""
+    def tree_budget(self) -> int | str:
+        """The drafter's tree budget as it stands now (0: chains, and always 0 without a drafter; "auto": trees in
+        the rounds that can take them). Standard sampling verifies chains only, so a sampled request with
+        `sampling="standard"` is refused while this is a number > 0 (under "auto" its rounds draft chains)."""
         return getattr(getattr(self.drafter, "config", None), "tree_budget", 0)
 
     @property
