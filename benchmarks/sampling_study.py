@@ -80,13 +80,6 @@ def ways_and_policies(policies: list[str]) -> list[tuple[str, str]]:
     return [("plain", "-")] + [(w, p) for p in policies for w in WAYS if WAYS[w] is not None]
 
 
-def use_gate_memory(target, drafter, memory) -> None:
-    """Make `memory` (a `gate.GateMemory`) the one the draft gate of `drafter` on `target` carries across calls."""
-    from dspark_hf.kernels.runtime import runtime_for
-
-    runtime_for(target).gates[drafter] = memory
-
-
 def decode(target, drafter, ids, way: str, policy: str, temperature: float, new_tokens: int, seed: int, lookup: int):
     """One generate() of `way` under `policy` (`lookup`: the drafter's own `context_lookup`): its tokens' count and
     hash, seconds, and the round statistics."""
@@ -148,6 +141,7 @@ def run(args) -> None:
     lookup = drafter.config.context_lookup
     done["settings"]["gate_memory"] = "one per way"
     from dspark_hf.decoding.gate import GateMemory
+    from dspark_hf.evaluation.harness import gate_memory
 
     memories = {way: GateMemory() for way in ways}
     warm = False
@@ -161,15 +155,18 @@ def run(args) -> None:
                 if not todo:
                     continue
                 if not warm:  # kernels, thread counts, the drafter's first pass: every way once
-                    use_gate_memory(target, drafter, GateMemory())  # a cold call's measurements kept by no way
-                    for way, policy in ways:
-                        decode(
-                            target, drafter, ids[:, -64:], way, policy, temperature, WARMUP_TOKENS, args.seed, lookup
-                        )
+                    with gate_memory(target, drafter, GateMemory()):  # a cold call's measurements kept by no way
+                        for way, policy in ways:
+                            decode(
+                                target, drafter, ids[:, -64:], way, policy, temperature, WARMUP_TOKENS, args.seed,
+                                lookup,
+                            )  # fmt: skip
                     warm = True
                 for way, policy in todo:
-                    use_gate_memory(target, drafter, memories[way, policy])
-                    cell = decode(target, drafter, ids, way, policy, temperature, args.new_tokens, args.seed, lookup)
+                    with gate_memory(target, drafter, memories[way, policy]):
+                        cell = decode(
+                            target, drafter, ids, way, policy, temperature, args.new_tokens, args.seed, lookup
+                        )
                     cell |= {"set": name, "temperature": temperature, "way": way, "policy": policy, "prompt": index}
                     done["cells"].append(cell)
                     save(out, done)

@@ -516,3 +516,25 @@ def test_head_estimates_share_what_the_head_leaves():
     low = _head_estimates(kept, 0.1, sort=True)  # a doubtful head: a sibling may be the better bet
     assert low[0] == (7, pytest.approx(0.9 * 0.6)) and (5, 0.1) in low
     assert _head_estimates(kept, 0.1, sort=False)[0] == (5, 0.1)  # a sampling row keeps its coupled draft first
+
+
+def test_each_way_of_a_bench_run_keeps_its_own_gate_memory():
+    """The chain and tree variants of one drafter are one object: each gets its own draft gate memory for the run,
+    and the memory the drafter carried before is left untouched and restored."""
+    from dspark_hf.decoding.gate import GateMemory
+    from dspark_hf.evaluation.harness import gate_memory, run_evaluation
+    from dspark_hf.kernels.runtime import runtime_for
+
+    target, tok = make_target(), char_tokenizer(99)
+    drafter = make_drafter(target, verify_policy="scheduler")
+    drafter.sps_profile = FLAT
+    gates = runtime_for(target).gates
+    mine = gates[drafter] = GateMemory()
+    seen = []
+    with gate_memory(target, drafter, GateMemory()):
+        seen.append(gates[drafter])
+    assert seen[0] is not mine and gates[drafter] is mine
+    records = [{"prompt": "Hello there"}, {"prompt": "abc"}]
+    result = run_evaluation(target, tok, {"d": drafter}, {"x": records}, 10, progress=False, tree_budgets=(0, "auto"))
+    assert result["all_identical"] and [r["tree_budget"] for r in result["runs"]] == [0, "auto"]
+    assert gates[drafter] is mine and not mine.draft_seconds  # the run measured into memories of its own

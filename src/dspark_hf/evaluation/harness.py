@@ -45,8 +45,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from ..decoding.gate import GateMemory
 from ..decoding.stats import record_draft_rounds
 from ..kernels import verify_head, verify_linears
+from ..kernels.runtime import runtime_for
 from ..serving.engine import Engine
 from ..utils.prompts import encode
 from .inputs import load_assistant, parse_datasets, parse_drafters
@@ -257,6 +259,27 @@ def tree_budget(assistant, budget: int | None):
         config.tree_budget = before
 
 
+@contextlib.contextmanager
+def gate_memory(target, assistant, memory):
+    """Within the block the draft gate of `assistant` on `target` carries `memory` (a `gate.GateMemory`; None:
+    unchanged), and the one it carried before is restored after. Each way of a run keeps its own: the tree-budget
+    variants of one drafter are one object, and one variant's measurements (a tree's dearer draft pass, a gate left
+    shut) would otherwise steer another's gate, as a first sampling study found (docs/results.md)."""
+    if memory is None or assistant is None:
+        yield
+        return
+    gates = runtime_for(target).gates
+    before = gates.get(assistant)
+    gates[assistant] = memory
+    try:
+        yield
+    finally:
+        if before is None:
+            gates.pop(assistant, None)
+        else:
+            gates[assistant] = before
+
+
 def tree_variants(drafters: dict, budgets) -> tuple[dict, dict]:
     """({label: assistant}, {label: tree budget}) with every DSpark drafter once per budget ("LABEL chain", "LABEL tree
     N", "LABEL tree auto"); other assistants keep their label (budget None)."""
@@ -338,8 +361,8 @@ def run_evaluation(
     encoded = {name: [encode(tokenizer, r) for r in records] for name, records in datasets.items()}
     first = next(iter(encoded.values()))[0]
     warm = first[:, :WARMUP_TOKENS]  # a long prompt's prefill would only cost time here
-    for label, assistant in (None, None), *drafters.items():  # warm-up of every path
-        with tree_budget(assistant, budgets.get(label)):
+    for label, assistant in (None, None), *drafters.items():  # warm-up of every path (its gate memory kept by none)
+        with tree_budget(assistant, budgets.get(label)), gate_memory(target, assistant, GateMemory()):
             timed_generate(target, warm, 4, assistant, **_policy(assistant, verify_policy))
     if wanted["padded"]:
         _decode(target, warm, 4, None, 0.0, 0, baseline="padded")
@@ -357,6 +380,7 @@ def run_evaluation(
     extra = [label for label, name in EXTRA_BASELINES.items() if wanted[name]]
     modes = [None, *extra[::-1], *drafters]  # None: plain decoding; the extra baselines in the order they always had
     runs, baselines, greedy_rounds = [], [], defaultdict(list)
+    memories = {label: GateMemory() for label in drafters}  # each way its own gate memory (`gate_memory`)
     for name, prompts in encoded.items():
         for temperature in temperatures:
             decoded = {mode: [] for mode in modes}
@@ -367,7 +391,7 @@ def run_evaluation(
                     assistant = drafters.get(mode)  # None for the plain modes
                     baseline = EXTRA_BASELINES.get(mode)
                     compiled = compiled_plain[compiled_slots(ids, max_new_tokens)] if mode == COMPILED else None
-                    with tree_budget(assistant, budgets.get(mode)):
+                    with tree_budget(assistant, budgets.get(mode)), gate_memory(target, assistant, memories.get(mode)):
                         run = _decode(
                             target, ids, max_new_tokens, assistant, temperature, seed + i, verify_policy,
                             baseline=baseline, compiled=compiled,
