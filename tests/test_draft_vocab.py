@@ -149,16 +149,25 @@ def test_config_refuses_a_draft_vocabulary_larger_than_the_vocabulary(target):
         make_drafter(target, draft_vocab_size=100)
 
 
+def drafts_close(a: list[list[float]], b: list[list[float]]) -> bool:
+    return [len(x) for x in a] == [len(y) for y in b] and all(
+        x == pytest.approx(y, rel=1e-5, abs=1e-7) for x, y in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize("budget", [0, 8])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_greedy_chains_are_drafted_among_the_draft_vocabulary_alone(target, monkeypatch, do_sample):
+def test_greedy_chains_are_drafted_among_the_draft_vocabulary_alone(target, monkeypatch, do_sample, budget):
     """Greedy rows without processors draft over the draft vocabulary's V' columns, never spreading them over the
-    whole vocabulary (`OPTIONS.narrow_draft`), and propose the very drafts the whole-vocabulary way proposes;
-    sampling rows keep the whole vocabulary (their noise and processors see every column)."""
+    whole vocabulary (`OPTIONS.narrow_draft`), and propose the very drafts the whole-vocabulary way proposes (a
+    tree's estimates to rounding: its softmax sums V' columns, not V); sampling rows keep the whole vocabulary
+    (their noise and processors see every column). Chains and trees alike."""
     from dspark_hf.decoding.drafting import DSparkCandidateGenerator
     from dspark_hf.kernels.options import OPTIONS
 
     drafter = make_drafter(target, verify_policy="fixed")
     drafter.set_draft_vocab(HALF)
+    drafter.config.tree_budget = budget
     ids = torch.randint(0, 99, (1, 6))
     monkeypatch.setattr(OPTIONS, "verify_way", "linear")  # one kernel way: the features, so the drafts, repeat exactly
     proposed, spread = [], []
@@ -166,7 +175,7 @@ def test_greedy_chains_are_drafted_among_the_draft_vocabulary_alone(target, monk
 
     def recorded(self, *args, **kwargs):
         drafts = propose(self, *args, **kwargs)
-        proposed[-1].append((drafts.tokens.clone(), drafts.conditional))
+        proposed[-1].append((drafts.tokens.clone(), drafts.conditional, drafts.parents))
         return drafts
 
     def counted(self, *args, **kwargs):
@@ -185,8 +194,12 @@ def test_greedy_chains_are_drafted_among_the_draft_vocabulary_alone(target, monk
         outs.append(target.generate(ids, max_new_tokens=20, do_sample=do_sample, assistant_model=drafter))
     assert torch.equal(outs[0], outs[1])
     assert len(proposed[0]) == len(proposed[1]) > 0
-    for (tokens, conditional), (ref_tokens, ref_conditional) in zip(*proposed):
-        assert torch.equal(tokens, ref_tokens) and conditional == ref_conditional
+    for (tokens, conditional, parents), (ref_tokens, ref_conditional, ref_parents) in zip(*proposed):
+        assert torch.equal(tokens, ref_tokens)
+        if budget:
+            assert torch.equal(parents, ref_parents) and drafts_close(conditional, ref_conditional)
+        else:
+            assert conditional == ref_conditional
     assert spread[1] > 0  # the whole-vocabulary way spreads every position's logits
     assert (spread[0] == 0) == (not do_sample)  # the narrow way only for greedy rows
     if not do_sample:

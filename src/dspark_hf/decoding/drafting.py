@@ -245,16 +245,17 @@ class DSparkCandidateGenerator(_Generator):
         early = policy is not None and policy.stops_early
         # U_k per row and depth (B, D, V); a policy that can stop early takes the first depths first, as chains do
         first = min(EARLY_DRAFT_POSITIONS, depth) if early else depth
-        base = [self.drafter.draft_base_logits(hidden[:, :first], self.lm_head)]
+        narrow = self._narrow_vocab(rows)  # greedy rows, nothing processed: the draft vocabulary's columns alone
+        base = [self._base_logits(hidden[:, :first], narrow)]
         anchors = [row.seq[-1] for row in rows]
         fit = getattr(self.config, "tree_calibration", None)
 
         def expand(entries):
             if max(tree.depth(node) for _, tree, node in entries) >= base[0].shape[1]:  # deeper: the rest at once
-                rest = self.drafter.draft_base_logits(hidden[:, base[0].shape[1] : depth], self.lm_head)
+                rest = self._base_logits(hidden[:, base[0].shape[1] : depth], narrow)
                 base[0] = torch.cat([base[0], rest], dim=1)
             return node_children(
-                self.drafter, hidden, base[0], anchors, entries, budget, rows, fit, temperatures=self.temperatures
+                self.drafter, hidden, base[0], anchors, entries, budget, rows, fit, self.temperatures, narrow
             )
 
         def settled(trees, open_rows):
@@ -280,7 +281,9 @@ class DSparkCandidateGenerator(_Generator):
         return torch.where(empty[:, None], full, logits)
 
 
-def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=None, fit=None, temperatures=None):
+def node_children(
+    drafter, hidden, base, anchors, entries, budget: int, rows=None, fit=None, temperatures=None, narrow=None
+):
     """Candidate children of a batch of tree nodes, `grow_trees`' `expand`: per (row, tree, node) entry (node -1:
     the row's anchor), (tokens, estimates, state) of its top `budget` candidates, best first.
 
@@ -293,7 +296,9 @@ def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=Non
     calibrated c = sigmoid(conf(h, parent) / T_depth), exactly the survival a chain drafting that path gives it, and
     the others share 1 - c in proportion to their draft probabilities: the policy then prices a tree's top path as it
     prices the chain, and its side branches by what the head leaves. rows None: greedy rows without processors
-    (`training/calibration.py` grows held-out blocks' trees with it).
+    (`training/calibration.py` grows held-out blocks' trees with it). `narrow` (V',): base holds only the draft
+    vocabulary's columns (B, ≥ depth + 1, V') and the children are chosen among them, as `_narrow_vocab` allows
+    (greedy rows that nothing processes: every other column is -inf, so the same children and probabilities).
     """
     index = torch.tensor([r for r, _, _ in entries], device=hidden.device)
     levels = [tree.depth(node) for _, tree, node in entries]
@@ -303,11 +308,15 @@ def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=Non
     )  # (n, 1)
     states = [None if node < 0 else tree.states[node] for _, tree, node in entries]
     state = None if states[0] is None else torch.stack(states)  # (n, r): the RNN head's, per node
-    bias, next_state = drafter.draft_sequential_bias(prev, hidden[index, level][:, None], state)
-    logits = base[index, level] if bias is None else base[index, level] + bias[:, 0]  # (n, V)
+    h = hidden[index, level][:, None]
+    if narrow is None:
+        bias, next_state = drafter.draft_sequential_bias(prev, h, state)
+    else:
+        bias, next_state = drafter.sequential_bias(prev, h, state, vocab_ids=narrow)
+    logits = base[index, level] if bias is None else base[index, level] + bias[:, 0]  # (n, V), or (n, V')
     entry_rows = None if rows is None else [rows[r] for r, _, _ in entries]
     ranked = logits
-    if entry_rows is not None:
+    if entry_rows is not None and narrow is None:  # (narrowed rows have nothing to process)
         paths = [[tree.path(node)] for _, tree, node in entries]
         logits = process_logits(entry_rows, logits[:, None], paths=paths)[:, 0]
         ranked = logits
@@ -319,6 +328,7 @@ def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=Non
     top = torch.topk(ranked, min(budget, logits.shape[-1]), dim=-1)
     probs = torch.softmax(logits, dim=-1).gather(1, top.indices)  # (n, k)
     finite = torch.isfinite(top.values)  # a token the processors ruled out is never a child
+    ids = top.indices if narrow is None else narrow[top.indices]  # token ids
     heads = None
     if fit is None and temperatures is not None:
         conf = drafter.confidence_logits(hidden[index, level][:, None], prev)  # (n, 1), or None without the head
@@ -326,7 +336,7 @@ def node_children(drafter, hidden, base, anchors, entries, budget: int, rows=Non
             scale = torch.tensor([temperatures[d] for d in levels], device=conf.device)
             heads = torch.sigmoid(conf[:, 0] / scale).tolist()  # c of each node's first child, as a chain's c_k
     out = []
-    for i, (tokens, p, ok) in enumerate(zip(top.indices.tolist(), probs.tolist(), finite.tolist())):
+    for i, (tokens, p, ok) in enumerate(zip(ids.tolist(), probs.tolist(), finite.tolist())):
         kept = [(t, q) for t, q, o in zip(tokens, p, ok) if o]
         greedy = entry_rows is None or not entry_rows[i].do_sample
         if fit is not None and greedy:
