@@ -213,11 +213,15 @@ def test_scheduler_without_a_profile_profiles_once_on_the_fly(target, monkeypatc
         out = greedy(target, ids, assistant_model=drafter)
     assert torch.equal(greedy(target, ids), out)
     assert "quick profile" in captured.out and len(calls) == 1
-    assert calls[0]["lengths"] == range(1, drafter.config.block_size + 2) and calls[0]["context_len"] == 64
+    assert list(calls[0]["lengths"]) == list(range(1, drafter.config.block_size + 2))
+    assert calls[0]["context_len"] == 64
     table = drafter.sps_profile
     assert sorted(table) == list(range(1, drafter.config.block_size + 2)) and all(v > 0 for v in table.values())
     assert torch.equal(greedy(target, ids), greedy(target, ids, assistant_model=drafter))
     assert len(calls) == 1 and drafter.sps_profile is table  # reused by later calls
+    trees = make_drafter(target, verify_policy="scheduler", block_size=4, tree_budget="auto")
+    assert torch.equal(greedy(target, ids), greedy(target, ids, assistant_model=trees))
+    assert list(calls[1]["lengths"]) == [1, 2, 3, 4, 5, 12, 17]  # every chain width, and two up to the widest tree
 
 
 def test_sps_for_prefers_the_checkpoint_profile_and_re_resolves_for_another_target(tmp_path, target):

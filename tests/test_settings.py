@@ -103,7 +103,7 @@ def test_the_engine_checks_again_when_a_request_arrives(pair):
     target, drafter = _live(pair, "context_lookup", 3)
     engine = Engine(target, drafter, verify_policy="fixed")
     drafter.config.tree_budget = -1
-    with pytest.raises(ValueError, match=r"`tree_budget` must be an int in 0\.\.128.*got -1"):
+    with pytest.raises(ValueError, match=r"`tree_budget` must be \"auto\" or an int in 0\.\.128.*got -1"):
         engine.add_request([5, 6, 7], max_new_tokens=3)
     assert not engine.has_unfinished()
     drafter.config.tree_budget = 0
@@ -221,7 +221,9 @@ def test_a_huge_tree_budget_is_refused_before_it_costs_anything(pair):
     """tree_budget=10000 under "fixed" verified 10,000 nodes a round (207 s for 20 tokens): refused at once."""
     target, drafter = _live(pair, "verify_policy", "fixed")
     drafter.config.tree_budget = 10000
-    with pytest.raises(ValueError, match=rf"`tree_budget` must be an int in 0\.\.{MAX_TREE_BUDGET} .*got 10000"):
+    with pytest.raises(
+        ValueError, match=rf"`tree_budget` must be \"auto\" or an int in 0\.\.{MAX_TREE_BUDGET} .*got 10000"
+    ):
         target.generate(IDS, max_new_tokens=20, assistant_model=drafter)
     drafter.config.tree_budget = MAX_TREE_BUDGET  # the cap itself runs, and stays lossless
     plain = target.generate(IDS, max_new_tokens=6, do_sample=False)

@@ -538,3 +538,19 @@ def test_each_way_of_a_bench_run_keeps_its_own_gate_memory():
     result = run_evaluation(target, tok, {"d": drafter}, {"x": records}, 10, progress=False, tree_budgets=(0, "auto"))
     assert result["all_identical"] and [r["tree_budget"] for r in result["runs"]] == [0, "auto"]
     assert gates[drafter] is mine and not mine.draft_seconds  # the run measured into memories of its own
+
+
+def test_auto_drafts_chains_over_long_contexts(target, monkeypatch):
+    """A row's context past AUTO_TREE_CONTEXT makes "auto" rounds chains (width costs more over a long cache than the
+    profile shows): a row crossing it mid-call switches, with greedy output plain greedy throughout."""
+    from dspark_hf.decoding import core
+
+    monkeypatch.setattr(core, "AUTO_TREE_CONTEXT", 10)
+    seen = _spy_budgets(monkeypatch)
+    ids = torch.randint(0, 99, (1, 5))
+    drafter = tree_drafter(target, "auto", verify_policy="scheduler", draft_gate=False)
+    drafter.sps_profile = FLAT
+    assert torch.equal(
+        greedy(target, ids, max_new_tokens=20), greedy(target, ids, max_new_tokens=20, assistant_model=drafter)
+    )
+    assert seen[0] == 16 and seen[-1] == 0 and seen == sorted(seen, reverse=True)

@@ -41,7 +41,7 @@ from ..kernels.threads import round_threads
 from ..kernels.verify_head import eligible_linears
 from ..kernels.verify_linears import kernel_choice
 from ..kernels.weights import per_token_activations, per_token_linears
-from ..models.settings import AUTO_TREE_BUDGET, AUTO_TREE_WIDTH_COST, check_sampling
+from ..models.settings import AUTO_TREE_BUDGET, AUTO_TREE_CONTEXT, AUTO_TREE_WIDTH_COST, check_sampling
 from ..utils.compat import selects_hidden_states
 from ..utils.devices import model_device
 from .acceptance import accept_greedy, accept_tree
@@ -281,15 +281,17 @@ class SpeculativeDecoder:
     @property
     def tree_budget(self) -> int:
         """This round's tree budget (0: chains): the drafter's `config.tree_budget`, read each round; "auto" is
-        `AUTO_TREE_BUDGET` where this decoder takes trees (`_trees_pay`) and no row samples with
-        sampling="standard", else 0."""
+        `AUTO_TREE_BUDGET` where this decoder takes trees (`_trees_pay`), no row samples with sampling="standard" and
+        no row's sequence is longer than `AUTO_TREE_CONTEXT`, else 0."""
         return self._tree_budget_for(self.rows)
 
     def _tree_budget_for(self, rows: list[Row]) -> int:
         budget = getattr(self.candidates, "tree_budget", 0) if self.candidates is not None else 0
         if budget != "auto":
             return budget
-        return AUTO_TREE_BUDGET if self._auto_trees and not any(row.standard for row in rows) else 0
+        if not self._auto_trees or any(row.standard or len(row.seq) > AUTO_TREE_CONTEXT for row in rows):
+            return 0
+        return AUTO_TREE_BUDGET
 
     def _trees_pay(self) -> bool:
         """Whether `tree_budget="auto"` drafts trees here: a drafter that grows them, a target that can take a
