@@ -61,6 +61,10 @@ def test_model_card_is_built_from_measured_results(target):
     assert "| 1 | 1.500 | 0.1234 | 0.0123 | 0.700 |" in card and "| 2 | 0.800 | 0.2000 | 0.0500 | - |" in card
     assert "\n| position | temperature | ECE before | ECE after | AUROC |\n|---|---|---|---|---|\n" in card
     assert '"train_tokens": 12345' in card
+    assert "draft trees: none (chains)" in card
+    drafter.config.tree_budget = "auto"
+    assert "draft trees: auto (trees of 16 nodes" in model_card(drafter.config)
+    drafter.config.tree_budget = 0
     crossed = {**CALIBRATION, "cross_fitted": {"ece": [0.0456, 0.06], "auroc": [0.7, None], "brier": [0.1, 0.1]}}
     card = model_card(drafter.config, calibration={**crossed, "folds": 2})
     assert (

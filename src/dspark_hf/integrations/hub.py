@@ -70,6 +70,13 @@ def _layer_note(config) -> str:
     return f"Llama blocks {qk} QK-norm (DeepSpec `Qwen3DSparkModel` layout when with QK-norm)"
 
 
+def _tree_note(budget) -> str:
+    """A card's words for `tree_budget`."""
+    if budget == "auto":
+        return "auto (trees of 16 nodes where the round can price them, chains elsewhere)"
+    return f"up to {budget} nodes" if budget else "none (chains)"
+
+
 def model_card(
     config,
     results: dict | None = None,
@@ -111,7 +118,8 @@ def model_card(
         f"{config.target_layer_ids}",
         f"- draft layer: {_layer_note(config)}",
         f"- sequential head: {config.sequential_head} (rank {config.markov_rank}); confidence head: "
-        f"{config.confidence_head}; verify policy: {config.verify_policy}",
+        f"{config.confidence_head}; verify policy: {config.verify_policy}; draft trees: "
+        f"{_tree_note(getattr(config, 'tree_budget', 0))}",
         f"- STS temperatures: {[round(t, 3) for t in config.sts_temperatures]}",
         "",
     ]
