@@ -102,8 +102,8 @@ class SpeculativeDecoder:
             policy = VerifyPolicy("fixed")
         self.policy = policy
         self.num_assistant_tokens = self._check_num_assistant_tokens(num_assistant_tokens)
-        # `tree_budget="auto"`: whether this target and policy take trees (each round still drops to a chain for
-        # rows sampling with sampling="standard")
+        # `tree_budget="auto"`: whether this target and policy take trees (a round still drafts a chain where a row
+        # samples with sampling="standard" or is longer than AUTO_TREE_CONTEXT)
         self._auto_trees = self._trees_pay()
         self.stop_sampling_early = self.device.type == "cpu" if stop_sampling_early is None else stop_sampling_early
         # what is kept for this target on this machine (kernel ways, packs, threads, the gate's measurements)
@@ -305,7 +305,7 @@ class SpeculativeDecoder:
         elif self.policy.name != "scheduler":
             why = f'verify_policy="{self.policy.name}" does not price tree nodes (Algorithm 1, "scheduler", does)'
         elif not self.policy.prices_trees(AUTO_TREE_BUDGET):
-            cost = self.policy.sps(1) / self.policy.sps(AUTO_TREE_BUDGET + 1)
+            cost = self.policy.width_cost(AUTO_TREE_BUDGET + 1)
             why = (
                 f"a verify of {AUTO_TREE_BUDGET + 1} tokens costs {cost:.1f} one-token steps on this target's profile "
                 f"(trees need at most {AUTO_TREE_WIDTH_COST})"
@@ -314,12 +314,13 @@ class SpeculativeDecoder:
             logger.info_once(f'tree_budget="auto" drafts chains here: {why}.')
         return why is None
 
-    def _check_tree(self, rows: list[Row] = ()) -> None:
+    def _check_tree(self, rows: list[Row] = ()) -> int:
         """Trees need every layer to see exactly the mask given: refuse sliding-window targets by name; and chains
-        for rows with standard sampling (`acceptance.accept_standard`)."""
+        for rows with standard sampling (`acceptance.accept_standard`). Returns the tree budget of the batch with
+        `rows` (0: chains)."""
         budget = self._tree_budget_for([*self.rows, *rows])
         if not budget:
-            return
+            return 0
         for row in [*self.rows, *rows]:
             check_sampling(row.sampling, budget, row.do_sample)
         if self.sliding:
@@ -327,6 +328,7 @@ class SpeculativeDecoder:
                 f"drafter.config.tree_budget={budget}, but {type(self.target).__name__} has sliding-window layers, "
                 "which cannot take a tree's attention mask. Set drafter.config.tree_budget = 0 (chains)."
             )
+        return budget
 
     def _caps(self) -> list[int]:
         """Drafts each row may examine: `num_assistant_tokens`, and one fewer than its remaining budget (the bonus
@@ -347,8 +349,7 @@ class SpeculativeDecoder:
         """draft → choose lengths; timed, with the confidences seen, for the gate."""
         start = time.perf_counter()
         caps = self._caps()
-        self._check_tree()
-        budget = self.tree_budget
+        budget = self._check_tree()
         early = self.stop_sampling_early
         drafts = self.candidates.propose(self.rows, caps, self.policy, early=early, tree_budget=budget)
         if self.context_lookup:

@@ -120,13 +120,15 @@ class VerifyPolicy:
         if self.gate is not None:
             self.gate.end_round(tokens, measured=measured)
 
+    def width_cost(self, tokens: int) -> float:
+        """What a verify of `tokens` tokens costs in one-token steps, on this policy's profile ("scheduler" only)."""
+        return self.sps(1) / self.sps(tokens)
+
     def prices_trees(self, nodes: int) -> bool:
         """Whether `tree_budget="auto"` may draft trees of `nodes` nodes under this policy: Algorithm 1 prices every
         node against the profile, and the profile makes a verify of `nodes` + 1 tokens cost at most
         `AUTO_TREE_WIDTH_COST` one-token steps (width cheap enough that some nodes can pay for themselves)."""
-        if self.name != "scheduler":
-            return False
-        return self.sps(1) / self.sps(nodes + 1) <= AUTO_TREE_WIDTH_COST
+        return self.name == "scheduler" and self.width_cost(nodes + 1) <= AUTO_TREE_WIDTH_COST
 
     @property
     def stops_early(self) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from ..models.settings import AUTO_TREE_BUDGET
 from ..utils.files import atomic_write_json, atomic_write_text, check_folder_free, write_folder
 from .remote_code import write_flat
 
@@ -73,7 +74,7 @@ def _layer_note(config) -> str:
 def _tree_note(budget) -> str:
     """A card's words for `tree_budget`."""
     if budget == "auto":
-        return "auto (trees of 16 nodes where the round can price them, chains elsewhere)"
+        return f"auto (trees of {AUTO_TREE_BUDGET} nodes where the round can price them, chains elsewhere)"
     return f"up to {budget} nodes" if budget else "none (chains)"
 
 
