@@ -8,6 +8,8 @@ hits every way alike:
   plain            transformers' own sampling, no drafter (the speed baseline)
   coupled-chain    sampling="coupled" (the default), drafter.config.tree_budget = 0
   coupled-tree4/8/16   the same with a draft tree of 4, 8 or 16 nodes
+  coupled-auto     the shipped default: drafter.config.tree_budget = "auto" (16-node trees where this machine's
+                   profile pays for them, chains elsewhere)
   standard-chain   sampling="standard": rejection sampling against the draft distributions, chains only (its
                    rows take no lookup drafts)
   coupled-chain-no-lookup   the coupled chain with drafter.config.context_lookup = 0: the standard chain's like
@@ -46,6 +48,7 @@ WAYS = {  # way -> (sampling mode, tree budget, lookup drafts); None: plain samp
     "coupled-tree4": ("coupled", 4, True),
     "coupled-tree8": ("coupled", 8, True),
     "coupled-tree16": ("coupled", 16, True),
+    "coupled-auto": ("coupled", "auto", True),  # the shipped drafter's setting
     "standard-chain": ("standard", 0, False),  # its rows never take lookup drafts (decoding/lookup.py)
     "coupled-chain-no-lookup": ("coupled", 0, False),  # the standard chain's like for like
 }
@@ -75,9 +78,11 @@ def machine_profile(target, path: Path) -> dict:
     return sps_table(profile)
 
 
-def ways_and_policies(policies: list[str]) -> list[tuple[str, str]]:
-    """(way, policy) pairs to run per prompt: plain once (its policy "-"), every drafted way under each policy."""
-    return [("plain", "-")] + [(w, p) for p in policies for w in WAYS if WAYS[w] is not None]
+def ways_and_policies(policies: list[str], ways: list[str] | None = None) -> list[tuple[str, str]]:
+    """(way, policy) pairs to run per prompt: plain once (its policy "-"), every drafted way of `ways` (default:
+    all) under each policy."""
+    drafted = [w for w in WAYS if WAYS[w] is not None and (ways is None or w in ways)]
+    return [("plain", "-")] + [(w, p) for p in policies for w in drafted]
 
 
 def decode(target, drafter, ids, way: str, policy: str, temperature: float, new_tokens: int, seed: int, lookup: int):
@@ -137,8 +142,8 @@ def run(args) -> None:
         "block_size": drafter.config.block_size,
         "draft_vocab_size": drafter.config.draft_vocab_size,
     }
-    ways = ways_and_policies(args.policies)
-    lookup = drafter.config.context_lookup
+    ways = ways_and_policies(args.policies, args.ways)
+    lookup, budget = drafter.config.context_lookup, drafter.config.tree_budget
     done["settings"]["gate_memory"] = "one per way"
     from dspark_hf.decoding.gate import GateMemory
     from dspark_hf.evaluation.harness import gate_memory
@@ -176,7 +181,7 @@ def run(args) -> None:
                         f"{cell['new_tokens'] / cell['seconds']:.1f} tok/s {tau}",
                         flush=True,
                     )
-    drafter.config.tree_budget, drafter.config.context_lookup = 0, lookup
+    drafter.config.tree_budget, drafter.config.context_lookup = budget, lookup
 
 
 def pooled(cells: list[dict]) -> dict:
@@ -194,7 +199,7 @@ def table(done: dict) -> str:
     same run) per way, then all sets pooled; then whether a seed gave one output."""
     cells = done["cells"]
     lines = [f"CPU: {done['cpu']}; settings: {done.get('settings', {})}", ""]
-    drafted = [w for w in WAYS if WAYS[w] is not None]
+    drafted = [w for w in WAYS if WAYS[w] is not None and any(c["way"] == w for c in cells)]
     for temperature in sorted({c["temperature"] for c in cells}):
         at = [c for c in cells if c["temperature"] == temperature]
         names = [s for s in SETS if any(c["set"] == s for c in at)] + ["all"]
@@ -229,8 +234,8 @@ def same_tokens(cells: list[dict]) -> str:
     standard = [g for g in groups.values() if sum(w == "standard-chain" for w, _ in g) > 1]
     alike = sum(len({h for (w, _), h in g.items() if w == "standard-chain"}) == 1 for g in standard)
     line = (
-        f"Same seed, same tokens: the coupled ways (chain and trees 4/8/16, with and without lookup drafts, under "
-        f"every policy run) gave one output on {same} of {len(coupled)} prompts"
+        f"Same seed, same tokens: the coupled ways run (chain, trees, with and without lookup drafts, under every "
+        f"policy run) gave one output on {same} of {len(coupled)} prompts"
     )
     if standard:
         line += f"; the standard chain gave the same output under both policies on {alike} of {len(standard)}"
@@ -244,6 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--temperatures", default="0.6,1.0")
     parser.add_argument("--prompts", type=int, default=4, help="the first N prompts of each set")
     parser.add_argument("--policies", default=",".join(POLICIES), help="verify policies of the drafted ways")
+    parser.add_argument("--ways", default=None, help=f"comma-separated drafted ways (default: all, {list(WAYS)[1:]})")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0, help="torch.manual_seed before every generate()")
     parser.add_argument("--out", default="sampling_study.json", help="results, appended cell by cell (resumable)")
@@ -255,6 +261,9 @@ def main(argv=None) -> int:
     args.sets = [s for s in args.sets.split(",") if s]
     args.temperatures = [float(t) for t in args.temperatures.split(",") if t]
     args.policies = [p for p in args.policies.split(",") if p]
+    args.ways = None if args.ways is None else [w for w in args.ways.split(",") if w]
+    if args.ways is not None and (not args.ways or any(w not in WAYS or WAYS[w] is None for w in args.ways)):
+        parser.error(f"--ways: choose from {[w for w in WAYS if WAYS[w] is not None]}")
     if not args.policies or any(p not in POLICIES for p in args.policies):
         parser.error(f"--policies: choose from {list(POLICIES)}")
     if args.prompts < 1 or args.new_tokens < 1 or any(t <= 0 for t in args.temperatures):

@@ -2,19 +2,25 @@
 hand-written eager function over a static cache, and that function compiled by inductor, side by side, beside the
 memory floor.
 
-    python benchmarks/time_compiled_step.py [--widths 1,4,16] [--repeats 9] [--context 256] [--dynamic]
+    python benchmarks/time_compiled_step.py [--widths 1,4,16] [--repeats 9] [--context 256] [--dynamic | --freeze]
                                             [--json out.json]
 
 The study behind issue 50 ("a round at the memory floor"). Three ways of one target forward of `width` tokens over a
 prefilled cache of `--context` tokens, fp32 SmolLM2-135M, each round of timing visiting every (width, way) once so
 that a burst of load lands on all alike:
 
-- "round": what decode rounds run today, `lean_forward.run_target` over the package's `AppendCache` with a 2-D mask;
+- "round": what decode rounds run today, `lean_forward.run_target` over the package's `AppendCache` with a 2-D mask,
+  its linears the way the kernel table measured fastest for that width (`verify_linears`: oneDNN's packed weights on
+  most CPUs), without the table's retries of the other ways;
+- "round, F.linear": the same forward with transformers' own `F.linear` products (what this study compared until
+  2026-12-07: the compiled ways below run their linears through `F.linear` too, unless `--freeze`);
 - "eager": one function, a layer in a dozen operators (RMSNorm, one rotary embedding, SDPA with grouped keys, the
   MLP), over a static key/value buffer of `--capacity` slots written with `index_copy_` and masked;
 - "compiled": that function through `torch.compile` (inductor, `dynamic=False`, one graph per width; `--dynamic`:
   `dynamic=True`, one graph for one token and one for every other width, as a round of any width would need), the
-  compile time printed per width (inductor caches its kernels on disk: a second run compiles in seconds).
+  compile time printed per width (inductor caches its kernels on disk: a second run compiles in seconds). With
+  `--freeze`, inductor's freezing: the weights become constants of the graph and its linears run through oneDNN's
+  packed weights, as the round's do (a packed copy of every weight, made at compile time).
 
 Logits of "eager" and "compiled" are compared with "round" (max |difference|, and whether every argmax agrees).
 The floor is the bytes of weights a step reads over the read bandwidth measured in the same process. Prints the CPU
@@ -33,6 +39,9 @@ import dspark_hf
 from dspark_hf.decoding.profiling import cpu_model, memory_floor_ms, run_facts, weight_bytes
 from dspark_hf.decoding.ragged_cache import AppendCache
 from dspark_hf.kernels.lean_forward import run_target
+from dspark_hf.kernels.options import OPTIONS
+from dspark_hf.kernels.verify_head import eligible_linears
+from dspark_hf.kernels.verify_linears import kernel_choice
 
 
 def static_step(target, capacity: int):
@@ -98,6 +107,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--dynamic", action="store_true", help="dynamic shapes: one graph for widths > 1")
+    parser.add_argument("--freeze", action="store_true", help="inductor's freezing: weights as packed constants")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
@@ -121,17 +131,37 @@ def main() -> None:
         mask[:, context : context + width] = torch.ones(width, width, dtype=torch.bool).tril()
         return ids, positions, mask
 
-    def round_way(ids, positions, mask):
-        out = run_target(
-            target, input_ids=ids, position_ids=positions[None], cache=cache, use_cache=True,
-            attention_mask=torch.ones(1, context + ids.shape[1], dtype=torch.long),
-        )  # fmt: skip
-        cache.crop(-ids.shape[1])
+    linears = eligible_linears(target)
+    kernels = kernel_choice(target)
+    table = kernels.ensure(target, linears) if linears else None
+
+    def round_way(ids, positions, mask, way=None):
+        width = ids.shape[1]
+        OPTIONS.verify_way = way or (table.way(width)[0] if table is not None else "linear")
+        try:
+            with kernels.verify(target, width, linears):
+                out = run_target(
+                    target, input_ids=ids, position_ids=positions[None], cache=cache, use_cache=True,
+                    attention_mask=torch.ones(1, context + width, dtype=torch.long),
+                )  # fmt: skip
+        finally:
+            OPTIONS.verify_way = None
+        cache.crop(-width)
         return out.logits
 
-    compiled = torch.compile(step, dynamic=args.dynamic)
+    if args.freeze:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
+        holder = torch.nn.Module()
+        holder.target = target  # freezing folds the parameters of the compiled module into the graph
+        holder.forward = step
+        compiled = torch.compile(holder, dynamic=args.dynamic)
+    else:
+        compiled = torch.compile(step, dynamic=args.dynamic)
     ways = {
         "round": round_way,
+        "round, F.linear": lambda ids, positions, mask: round_way(ids, positions, mask, "linear"),
         "eager": lambda ids, positions, mask: step(ids, positions, positions, mask),
         "compiled": lambda ids, positions, mask: compiled(ids, positions, positions, mask),
     }
@@ -164,9 +194,9 @@ def main() -> None:
     medians = {key: statistics.median(v) for key, v in times.items()}
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, cache {context} tokens")
     print(f"memory floor {floor:.1f} ms ({nbytes / 1e6:.0f} MB of weights)")
-    print("width" + "".join(f"{way:>12}" for way in ways) + "   (ms; x the floor)")
+    print("width" + "".join(f"{way:>17}" for way in ways) + "   (ms; x the floor)")
     for width in widths:
-        cells = "".join(f"{medians[width, way]:7.1f} {medians[width, way] / floor:3.1f}x" for way in ways)
+        cells = "".join(f"{medians[width, way]:12.1f} {medians[width, way] / floor:3.1f}x" for way in ways)
         print(f"{width:5d} {cells}")
     if args.json:
         with open(args.json, "w") as f:
@@ -175,6 +205,8 @@ def main() -> None:
                     **run_facts(),
                     "context": context,
                     "dynamic": args.dynamic,
+                    "freeze": args.freeze,
+                    "round_ways": {w: table.way(w)[0] for w in widths} if table is not None else None,
                     "floor_ms": floor,
                     "compile_s": compile_s,
                     "agreement": agreement,

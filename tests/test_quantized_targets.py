@@ -216,6 +216,31 @@ def test_a_dynamic_int8_batch_decodes_plain_and_says_why(caplog):
     assert not any(k.startswith("_dspark") for k in vars(target))
 
 
+def test_a_plain_decoded_batch_counts_each_rows_own_tokens():
+    """A batch decoded plain (dynamic int8) whose first row a stopping criterion ends early: the statistics count the
+    tokens each row decoded, not the padding the batch added after its stop."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopFirstRow(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            done[0] = input_ids.shape[1] >= width + 4
+            return done
+
+    target, drafter, _ = built("dynamic-int8")
+    width, pad = max(map(len, PROMPTS)), 98
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in PROMPTS])[:, None]).long()
+    # transformers pads a row stopped early only where an EOS ends rows too (97: one no row here decodes)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=pad, eos_token_id=97)
+    kw["stopping_criteria"] = StoppingCriteriaList([StopFirstRow()])
+    plain = target.generate(ids, **kw)
+    assert plain[0, width + 4 :].eq(pad).all() and not plain[1:, width:].eq(pad).any()  # the case this test needs
+    assert not plain[:, width:].eq(97).any()
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kw), plain)
+    assert drafter.generation_stats.num_new_tokens == 4 + 12 * (len(PROMPTS) - 1)
+
+
 def test_a_draft_vocabulary_takes_rows_of_one_dequantized_copy():
     target, drafter, _ = built("tensor-subclass")
     drafter.set_draft_vocab(list(range(0, 99, 2)))

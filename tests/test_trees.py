@@ -262,8 +262,11 @@ def test_bench_runs_chain_and_trees_side_by_side(tmp_path, capsys):
     chain, tree = result["runs"]
     assert chain["mean_verify_length"] <= 4 < tree["mean_verify_length"] <= 6  # nodes verified per round
     (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
-    assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--tree-budget", "0,-8"]) == 2
-    assert "--tree-budget" in capsys.readouterr().err
+    for budgets in ("0,-8", "0,500", "0,tree"):  # the one check of `tree_budget` (settings.check_tree_budget)
+        assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--tree-budget", budgets]) == 2
+        assert "--tree-budget" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tree_budget"):
+        run_evaluation(target, tok, {"d": drafter}, {"x": records}, 4, progress=False, tree_budgets=(0, 500))
 
 
 def test_return_dict_hidden_states_and_pipeline_with_a_tree(target):

@@ -169,13 +169,18 @@ def _tree_budgets(text: str | None) -> list[int | str]:
     """`--tree-budget 0,8,16,auto` -> [0, 8, 16, "auto"] (0: the chain); None -> []."""
     if text is None:
         return []
+    from ..models.settings import MAX_TREE_BUDGET, check_tree_budget
+
     try:
         budgets = [b.strip() if b.strip() == "auto" else int(b) for b in text.split(",") if b.strip()]
+        for budget in budgets:
+            check_tree_budget(budget)
     except ValueError:
         budgets = []
     require(
-        bool(budgets) and all(b == "auto" or b >= 0 for b in budgets),
-        f"--tree-budget {text!r} must be comma-separated ints >= 0 or auto, e.g. 0,16,auto (0: the chain).",
+        bool(budgets),
+        f"--tree-budget {text!r} must be comma-separated ints in 0..{MAX_TREE_BUDGET} or auto, e.g. 0,16,auto "
+        "(0: the chain).",
     )
     return budgets
 

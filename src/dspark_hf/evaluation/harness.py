@@ -49,6 +49,7 @@ from ..decoding.gate import GateMemory
 from ..decoding.stats import record_draft_rounds
 from ..kernels import verify_head, verify_linears
 from ..kernels.runtime import runtime_for
+from ..models.settings import check_tree_budget
 from ..serving.engine import Engine
 from ..utils.prompts import encode
 from .inputs import load_assistant, parse_datasets, parse_drafters
@@ -285,8 +286,8 @@ def tree_variants(drafters: dict, budgets) -> tuple[dict, dict]:
     N", "LABEL tree auto"); other assistants keep their label (budget None)."""
     if not budgets:
         return dict(drafters), dict.fromkeys(drafters)
-    if any(b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b < 0) for b in budgets):
-        raise ValueError(f'Tree budgets must be ints >= 0 (0: the chain) or "auto", got {list(budgets)}.')
+    for budget in budgets:
+        check_tree_budget(budget)
     labelled, by_label = {}, {}
     for label, assistant in drafters.items():
         if not hasattr(getattr(assistant, "config", None), "tree_budget"):

@@ -517,14 +517,21 @@ def _plain_stats(model, drafter, args: tuple, kwargs: dict, out) -> DSparkGenera
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     width = ids.shape[-1] if isinstance(ids, torch.Tensor) else 0
     mask = kwargs.get("attention_mask")
-    config = kwargs.get("generation_config") or model.generation_config
-    eos = config.eos_token_id if config.eos_token_id is not None else model.generation_config.eos_token_id
+    configs = (kwargs.get("generation_config"), model.generation_config)
+
+    def setting(name):  # as generate() reads it: a keyword argument, else the call's config, else the model's
+        found = [kwargs.get(name)] + [getattr(c, name, None) for c in configs]
+        return next((value for value in found if value is not None), None)
+
+    eos, pad = setting("eos_token_id"), setting("pad_token_id")
     eos = set([eos] if isinstance(eos, int) else eos or [])
     stats = DSparkGenerationStats(drafter.config.block_size)
     stats.num_prompt_tokens = int(mask.sum()) if isinstance(mask, torch.Tensor) else width * len(sequences)
     for row in sequences[:, width:].tolist():
         ends = [i for i, token in enumerate(row) if token in eos]
         new = ends[0] + 1 if ends else len(row)
+        while not ends and pad is not None and new and row[new - 1] == pad:  # stopped early (a stop string, a
+            new -= 1  # criterion), then padded while the batch went on
         stats.num_new_tokens += new
         for _ in range(new - 1):  # the first token is the prefill's
             stats.record_step(0, 0)
