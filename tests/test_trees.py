@@ -422,7 +422,15 @@ def test_auto_drafts_trees_where_the_profile_makes_width_cheap(target, monkeypat
         assert seen and set(seen) == {want}, name
         assert drafter.config.tree_budget == "auto"  # the setting is left as it was
     assert lines["flat"] == []
-    assert any("costs 17.0 one-token steps" in line for line in lines["steep"])
+    assert sum("costs 17.0 one-token steps" in line for line in lines["steep"]) == 1
+    # said once per drafter and target: not again for the same drafter, again for another one
+    caplog.clear()
+    again = _info_lines(caplog, lambda: greedy(target, ids, max_new_tokens=4, assistant_model=drafter))
+    other = tree_drafter(target, "auto", verify_policy="scheduler", draft_gate=False)
+    other.sps_profile = STEEP
+    caplog.clear()
+    first = _info_lines(caplog, lambda: greedy(target, ids, max_new_tokens=4, assistant_model=other))
+    assert again == [] and sum("costs 17.0 one-token steps" in line for line in first) == 1
 
 
 def test_auto_drafts_chains_where_a_round_cannot_take_a_tree(target, monkeypatch, caplog):

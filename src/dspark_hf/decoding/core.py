@@ -47,7 +47,7 @@ from ..utils.devices import model_device
 from .acceptance import accept_greedy, accept_tree
 from .drafting import candidate_generator_for
 from .lookup import LookupDrafts
-from .policy import VerifyPolicy
+from .policy import VerifyPolicy, gate_memory
 from .ragged_cache import RaggedCache
 from .rows import Drafts, Row, accept_standard_rows, choose_tokens, process_logits
 from .stats import RECORDERS, DraftRound
@@ -296,7 +296,8 @@ class SpeculativeDecoder:
     def _trees_pay(self) -> bool:
         """Whether `tree_budget="auto"` drafts trees here: a drafter that grows them, a target that can take a
         tree's mask (no sliding window), and a policy that prices nodes against a profile where width is cheap
-        enough (`VerifyPolicy.prices_trees`). Says once why not, where the drafter asks for "auto"."""
+        enough (`VerifyPolicy.prices_trees`). Says why not, once per drafter and target, where the drafter asks for
+        "auto"."""
         if self.candidates is None or getattr(self.candidates, "tree_budget", 0) != "auto":
             return False
         why = None
@@ -310,8 +311,10 @@ class SpeculativeDecoder:
                 f"a verify of {AUTO_TREE_BUDGET + 1} tokens costs {cost:.1f} one-token steps on this target's profile "
                 f"(trees need at most {AUTO_TREE_WIDTH_COST})"
             )
-        if why is not None:
-            logger.info_once(f'tree_budget="auto" drafts chains here: {why}.')
+        told = gate_memory(self._drafter, self.target).told  # once per drafter and target
+        if why is not None and why not in told:
+            told.add(why)
+            logger.info(f'tree_budget="auto" drafts chains here: {why}.')
         return why is None
 
     def _check_tree(self, rows: list[Row] = ()) -> int:

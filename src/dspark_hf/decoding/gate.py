@@ -121,6 +121,7 @@ class GateMemory:
         self.shut = False  # the last decided rounds were plain ones, two or more in a row
         self.wait: int | None = None  # plain rounds before the next probe, as the last call left it
         self.told_never_pays = False  # the info line that drafting cannot pay on this target was logged
+        self.told: set[str] = set()  # other info lines already logged for this drafter and target
 
 
 class DraftGate:
