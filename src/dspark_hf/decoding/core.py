@@ -311,11 +311,13 @@ class SpeculativeDecoder:
                 f"a verify of {AUTO_TREE_BUDGET + 1} tokens costs {cost:.1f} one-token steps on this target's profile "
                 f"(trees need at most {AUTO_TREE_WIDTH_COST})"
             )
-        told = gate_memory(self._drafter, self.target).told  # once per drafter and target
-        if why is not None and why not in told:
+        if why is None:
+            return True
+        told = gate_memory(self._drafter, self.target).told  # said once per drafter and target
+        if why not in told:
             told.add(why)
             logger.info(f'tree_budget="auto" drafts chains here: {why}.')
-        return why is None
+        return False
 
     def _check_tree(self, rows: list[Row] = ()) -> int:
         """Trees need every layer to see exactly the mask given: refuse sliding-window targets by name; and chains

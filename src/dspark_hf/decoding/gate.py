@@ -120,8 +120,7 @@ class GateMemory:
         self.prior: list[float] | None = None
         self.shut = False  # the last decided rounds were plain ones, two or more in a row
         self.wait: int | None = None  # plain rounds before the next probe, as the last call left it
-        self.told_never_pays = False  # the info line that drafting cannot pay on this target was logged
-        self.told: set[str] = set()  # other info lines already logged for this drafter and target
+        self.told: set[str] = set()  # the info lines already logged for this drafter and target (once each)
 
 
 class DraftGate:
@@ -287,8 +286,8 @@ class DraftGate:
             except ValueError:  # wider than the profile covers: the prediction decides, as for any round
                 verdict = False
             self.never_pays[key] = verdict
-        if verdict and not self.memory.told_never_pays:
-            self.memory.told_never_pays = True
+        if verdict and "never pays" not in self.memory.told:
+            self.memory.told.add("never pays")
             logger.info(
                 "The draft gate keeps every round a plain decoding step: on this target's cost profile a verified "
                 "token costs as much as a decoding step, so not even drafts that are always accepted would pay."

@@ -530,8 +530,9 @@ def _plain_stats(model, drafter, args: tuple, kwargs: dict, out) -> DSparkGenera
     for row in sequences[:, width:].tolist():
         ends = [i for i, token in enumerate(row) if token in eos]
         new = ends[0] + 1 if ends else len(row)
-        while not ends and pad is not None and new and row[new - 1] == pad:  # stopped early (a stop string, a
-            new -= 1  # criterion), then padded while the batch went on
+        # a row stopped early by a stop string or a criterion is padded while the batch goes on
+        while not ends and pad is not None and new and row[new - 1] == pad:
+            new -= 1
         stats.num_new_tokens += new
         for _ in range(new - 1):  # the first token is the prefill's
             stats.record_step(0, 0)
