@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, RepetitionPenaltyLogitsProcessor
 
 from conftest import make_drafter, make_target
 from dspark_hf import DSparkConfig, Engine
 from dspark_hf.decoding.acceptance import accept_greedy, accept_tree
-from dspark_hf.decoding.trees import ancestors, grow_trees, pack_trees, slot_parents, slot_paths, tree_attention_mask
+from dspark_hf.decoding.rows import Row, choose_tokens, process_and_choose, process_logits
+from dspark_hf.decoding.trees import ancestors, grow_trees, pack_trees, slot_parents, tree_attention_mask
 from helpers import char_tokenizer, pin_drafter
 
 
@@ -101,11 +102,89 @@ def test_accept_tree_on_a_chain_is_accept_greedy():
         assert torch.equal(depth, accepted) and torch.equal(bonus, chain_bonus)
 
 
-def test_slot_paths_follow_ancestors():
-    tokens, parents = [[10, 11, 12, 13]], [[0, 0, 2, 3]]
-    assert slot_paths(tokens, parents, 5) == [[[], [10], [11], [11, 12], [11, 12, 13]]]
+def test_pack_trees_in_join_order():
     packed, up, depths = pack_trees(grow_trees(_expand_from(TABLE), 1, [3], 4), "cpu")
     assert packed.tolist() == [[1, 4, 2, 7]] and up.tolist() == [[0, 1, 0, 2]] and depths.tolist() == [[1, 2, 1, 3]]
+
+
+class _Counted(Row):
+    """A row whose prefix-dependent processor (a repetition penalty) records the prefix of every call."""
+
+    remaining = 10**9
+
+    def __init__(self, seq, do_sample):
+        super().__init__(seq, do_sample=do_sample, seed=7 if do_sample else None)
+        self.prefixes = []
+        penalty = RepetitionPenaltyLogitsProcessor(1.7)
+
+        def processors(ids, scores):
+            self.prefixes.append(ids[0].tolist())
+            return penalty(ids, scores)
+
+        self.processors = processors
+
+
+def _random_tree(generator, nodes, vocab, chain):
+    """Parents (a node's parent slot) and tokens, siblings distinct; a chain hangs node i off slot i."""
+    parents, tokens, depth = [], [], [0]
+    for i in range(nodes):
+        open_slots = [slot for slot in range(i + 1) if parents.count(slot) < vocab]  # a token left for a child
+        parent = i if chain else open_slots[int(torch.randint(0, len(open_slots), (1,), generator=generator))]
+        taken = {t for p, t in zip(parents, tokens) if p == parent}
+        free = [t for t in range(vocab) if t not in taken]
+        parents.append(parent)
+        tokens.append(free[int(torch.randint(0, len(free), (1,), generator=generator))])
+        depth.append(depth[parent] + 1)
+    return parents, tokens, depth[1:]
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_processors_run_only_along_the_walk_and_choose_as_every_slot_processed(chain):
+    """`process_and_choose` processes a row with prefix-dependent processors only at the slots acceptance reaches:
+    the same acceptance, the same processed logits there, as processing every slot (transformers' way)."""
+    generator = torch.Generator().manual_seed(5)
+    vocab, nodes, rows_n = 4, 6, 3
+    calls_saved = 0
+    for trial in range(40):
+        drafted = [_random_tree(generator, nodes, vocab, chain) for _ in range(rows_n)]
+        parents = torch.tensor([d[0] for d in drafted])
+        tokens = torch.tensor([d[1] for d in drafted])
+        depths = torch.tensor([d[2] for d in drafted])
+        lengths = torch.randint(0, nodes + 1, (rows_n,), generator=generator)
+        # logits that follow the drafts often (so walks go deep) but not always
+        logits = torch.randn(rows_n, nodes + 1, vocab, generator=generator)
+        for r in range(rows_n):
+            for s in range(1, nodes + 1):
+                logits[r, parents[r, s - 1], tokens[r, s - 1]] += 1.5
+        seqs = [torch.randint(0, vocab, (5,), generator=generator).tolist() for _ in range(rows_n)]
+        fresh = [_Counted(seq, do_sample=r == 1) for r, seq in enumerate(seqs)]
+        eager = [_Counted(seq, do_sample=r == 1) for r, seq in enumerate(seqs)]
+        up = None if chain else parents
+        at = None if chain else depths
+        processed, choices = process_and_choose(fresh, logits, tokens, lengths.tolist(), up, at)
+        if chain:
+            every = process_logits(eager, logits, tokens)
+            offsets = None
+        else:
+            paths = [[[]] for _ in range(rows_n)]
+            for r in range(rows_n):
+                for s in range(1, nodes + 1):
+                    paths[r].append(paths[r][parents[r, s - 1]] + [tokens[r, s - 1].item()])
+            every = process_logits(eager, logits, paths=paths)
+            offsets = [[0] + d for d in depths.tolist()]
+        reference = choose_tokens(eager, every, counts=(lengths + 1).tolist(), offsets=offsets)
+        walked = accept_tree(tokens, parents, choices, lengths, max_depth=nodes)
+        expected = accept_tree(tokens, parents, reference, lengths, max_depth=nodes)
+        assert all(torch.equal(a, b) for a, b in zip(walked, expected)), trial
+        on_path = expected[0]
+        for r in range(rows_n):
+            slots = on_path[r].nonzero()[:, 0]
+            assert torch.equal(processed[r, slots], every[r, slots])
+            # one call per slot on the walk, each with that slot's own path as prefix
+            assert len(fresh[r].prefixes) == len(slots) == expected[1][r] + 1
+            assert all(eager[r].prefixes[s] == fresh[r].prefixes[k] for k, s in enumerate(slots.tolist()))
+            calls_saved += len(eager[r].prefixes) - len(fresh[r].prefixes)
+    assert calls_saved > 0  # the random walks did stop short
 
 
 # -- lossless decoding with trees ---------------------------------------------------------------------------------

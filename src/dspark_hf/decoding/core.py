@@ -13,7 +13,8 @@ every row:
   choose   the policy picks ℓ_r drafts per row (fixed / threshold / Algorithm 1), from survivals only
   verify   one target forward on (B, W = max ℓ_r + 1) tokens, [anchor, drafts] per row, over the ragged cache, with
            the target's CPU linears run this forward's way measured on this machine (`verify_linears.kernel_choice`)
-  accept   each slot's target logits processed with that slot's own prefix; the target's choice at each slot
+  accept   each slot's target logits processed with that slot's own prefix (slot by slot, where a row has
+           prefix-dependent processors, only along the walk acceptance takes); the target's choice at each slot
            (argmax, or for a sampling row the Gumbel-max draw keyed by its seed and the slot's position); the longest
            prefix of drafts equal to the choices, and the choice after it
   commit   accepted drafts + the bonus token go to each row (which clips at its stop); rejected and padding slots
@@ -49,9 +50,9 @@ from .drafting import candidate_generator_for
 from .lookup import LookupDrafts
 from .policy import VerifyPolicy, gate_memory
 from .ragged_cache import RaggedCache
-from .rows import Drafts, Row, accept_standard_rows, choose_tokens, process_logits
+from .rows import Drafts, Row, accept_standard_rows, choose_tokens, process_and_choose, process_logits
 from .stats import RECORDERS, DraftRound
-from .trees import slot_parents, slot_paths, tree_attention_mask
+from .trees import slot_parents, tree_attention_mask
 
 
 logger = logging.get_logger(__name__)
@@ -434,9 +435,7 @@ class SpeculativeDecoder:
         lengths = torch.tensor(drafts.lengths, device=self.device)
         if drafts.is_tree:
             return self._accept_tree(drafts, logits, tokens, lengths)
-        processed = process_logits(self.rows, logits, tokens)
-        counts = [0 if row.standard else n + 1 for row, n in zip(self.rows, drafts.lengths)]
-        choices = choose_tokens(self.rows, processed, counts=counts)  # (B, W)
+        processed, choices = process_and_choose(self.rows, logits, tokens, drafts.lengths)  # (B, W, V), (B, W)
         accepted, bonus = accept_greedy(tokens, choices, lengths)
         # rows with sampling="standard": rejection sampling against the draft distributions instead
         standard, taken, drawn = accept_standard_rows(self.rows, tokens, drafts.logits, processed, lengths)
@@ -449,14 +448,7 @@ class SpeculativeDecoder:
         (anchor + 1 + its depth: a sampling row's noise is shared by the nodes of one depth)."""
         width = logits.shape[1]
         parents = drafts.parents[:, : width - 1].to(self.device)
-        paths = None
-        if any(row.processors is not None for row in self.rows):  # prefix-dependent processors: per-slot paths
-            paths = slot_paths(tokens.tolist(), parents.tolist(), width)
-        processed = process_logits(self.rows, logits, paths=paths)
-        offsets = None
-        if any(row.do_sample for row in self.rows):
-            offsets = [[0] + d for d in drafts.depths[:, : width - 1].tolist()]  # slot s predicts depth(s) + 1
-        choices = choose_tokens(self.rows, processed, counts=[n + 1 for n in drafts.lengths], offsets=offsets)
+        processed, choices = process_and_choose(self.rows, logits, tokens, drafts.lengths, parents, drafts.depths)
         on_path, depth, bonus = accept_tree(tokens, parents, choices, lengths, self.block_size)
         path_slots = [[s for s, on in enumerate(row) if on] for row in on_path.tolist()]
         return depth.tolist(), bonus.tolist(), processed, path_slots

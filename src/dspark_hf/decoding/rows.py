@@ -143,29 +143,37 @@ class Drafts:
         return cls(torch.zeros(n_rows, 0, dtype=torch.long, device=device), None, [0] * n_rows, [[]] * n_rows)
 
 
-def process_logits(
-    rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0, paths=None
-) -> torch.Tensor:
-    """Each row's logits processing on logits (B, S, V); slot s of row r follows seq_r + drafts[r, :first + s], or
-    seq_r + paths[r][s] (a tree's slots follow their own ancestors, `trees.slot_paths`).
-
-    Rows with equal `sampling_key` share one warper pass; rows with `processors` are processed slot by slot with
-    their own prefix, as transformers processes every position of a verify. Unprocessed rows pass through unchanged.
-    """
+def _warp_shared(rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
+    """The prefix-free warpers of rows without `processors`: one pass per `sampling_key` over its rows' slots."""
     groups: dict[tuple, list[int]] = {}
-    own = [i for i, row in enumerate(rows) if row.processors is not None]
     for i, row in enumerate(rows):
         if row.processors is None and row.sampling_key is not None and row.warpers:
             groups.setdefault(row.sampling_key, []).append(i)
-    if not groups and not own:
-        return logits
-    logits = logits.clone()
     for members in groups.values():
         index = torch.tensor(members, device=logits.device)
         part = logits[index]
         flat = part.reshape(-1, part.shape[-1])  # (rows · slots, V): warpers act per row
         logits[index] = rows[members[0]].warpers(None, flat).reshape(part.shape)
-    for i in own:
+    return logits
+
+
+def _wants_processing(rows: list[Row]) -> bool:
+    return any(row.processors is not None or (row.sampling_key is not None and row.warpers) for row in rows)
+
+
+def process_logits(
+    rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0, paths=None
+) -> torch.Tensor:
+    """Each row's logits processing on logits (B, S, V); slot s of row r follows seq_r + drafts[r, :first + s], or
+    seq_r + paths[r][s] (a tree's slots follow their own ancestors).
+
+    Rows with equal `sampling_key` share one warper pass; rows with `processors` are processed slot by slot with
+    their own prefix, as transformers processes every position of a verify. Unprocessed rows pass through unchanged.
+    """
+    if not _wants_processing(rows):
+        return logits
+    logits = _warp_shared(rows, logits.clone())
+    for i in (i for i, row in enumerate(rows) if row.processors is not None):
         prefix = torch.tensor([rows[i].processor_ids()], device=logits.device)  # (1, L)
         for s in range(logits.shape[1]):
             if paths is not None:
@@ -176,6 +184,67 @@ def process_logits(
                 ids = torch.cat([prefix, drafts[i : i + 1, : first + s].to(prefix)], dim=1)
             logits[i, s] = rows[i].processors(ids, logits[i, s][None])[0]
     return logits
+
+
+def process_and_choose(
+    rows: list[Row],
+    logits: torch.Tensor,
+    tokens: torch.LongTensor,
+    lengths: list[int],
+    parents: torch.LongTensor | None = None,
+    depths: torch.LongTensor | None = None,
+) -> tuple[torch.Tensor, torch.LongTensor]:
+    """process → choose over a verify's slots: the processed logits (B, W, V) and the target's choice at every slot
+    a row verifies (B, W; `choose_tokens`).
+
+    Slot 0 is the anchor; slot s ≥ 1 holds draft s - 1 of tokens (B, ≥ W - 1), whose parent is slot s - 1 in a chain
+    and slot parents[r, s - 1] in a tree, where depths[r, s - 1] is its draft position (the slot chooses the token
+    after it). Row r verifies its first lengths[r] drafts.
+
+    Rows with `processors` are processed slot by slot, each slot with its own path as prefix, but only along the
+    walk that acceptance can take: a slot whose parent's choice is not its token is never reached, nor is a slot
+    past the drafts verified, so its logits stay unprocessed and its choice is never read. A chain stops at its
+    first rejected draft; transformers' verify processes every slot, and on a chain the calls past the first
+    rejection were most of them. Rows with `sampling="standard"` are processed at every slot verified (their
+    acceptance reads each slot's distribution) and choose nothing here (`accept_standard_rows` draws theirs).
+    """
+    width = logits.shape[1]
+    offsets = None  # a tree's slot s chooses the token at depth(s) + 1
+    if depths is not None:
+        offsets = [[0] + row_depths for row_depths in depths[:, : width - 1].tolist()]
+    counts = [0 if row.standard else n + 1 for row, n in zip(rows, lengths)]
+    own = [i for i, row in enumerate(rows) if row.processors is not None]
+    if _wants_processing(rows):
+        logits = _warp_shared(rows, logits.clone())
+    walked: dict[int, dict[int, int]] = {}  # row -> slot -> its choice, for the slots processed along the walk
+    drafted = tokens.tolist()
+    up = parents.tolist() if parents is not None else None
+    for i in own:
+        row = rows[i]
+        prefix = row.processor_ids()
+        paths: dict[int, list[int]] = {0: []}  # slot -> the drafts before the token it chooses
+        walked[i] = {}
+        for s in range(min(width, lengths[i] + 1)):
+            if s > 0:
+                parent = s - 1 if up is None else up[i][s - 1]
+                reached = parent in walked[i] and walked[i][parent] == drafted[i][s - 1]
+                if not (reached or row.standard):
+                    if up is None:
+                        break  # a chain: every later slot hangs below this one
+                    continue
+                paths[s] = paths[parent] + [drafted[i][s - 1]]
+            ids = torch.tensor([prefix + paths[s]], device=logits.device)
+            logits[i, s] = row.processors(ids, logits[i, s][None])[0]
+            if not row.standard:
+                at = [[s if offsets is None else offsets[i][s]]]
+                walked[i][s] = choose_tokens([row], logits[i : i + 1, s : s + 1], offsets=at)[0, 0].item()
+    choices = choose_tokens(
+        rows, logits, counts=[0 if i in walked else n for i, n in enumerate(counts)], offsets=offsets
+    )
+    for i, chosen in walked.items():
+        for s, token in chosen.items():
+            choices[i, s] = token
+    return logits, choices
 
 
 def choose_tokens(
@@ -230,4 +299,4 @@ def accept_standard_rows(
     return index, accepted, bonus
 
 
-__all__ = ["Drafts", "Row", "accept_standard_rows", "choose_tokens", "process_logits"]
+__all__ = ["Drafts", "Row", "accept_standard_rows", "choose_tokens", "process_and_choose", "process_logits"]

@@ -215,19 +215,6 @@ def tree_attention_mask(cache_valid: torch.BoolTensor, parents: torch.LongTensor
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)
 
 
-def slot_paths(tokens: list[list[int]], parents: list[list[int]], width: int) -> list[list[list[int]]]:
-    """paths[r][s]: the drafted tokens before the token slot s predicts (its own token and its ancestors', first
-    position first), as a chain's slot s follows drafts[:s]; the logits processors see them after the sequence."""
-    paths = []
-    for row_tokens, row_parents in zip(tokens, parents):
-        row = [[]]
-        for s in range(1, width):
-            node = s - 1
-            row.append(row[row_parents[node]] + [row_tokens[node]] if node < len(row_tokens) else [])
-        paths.append(row)
-    return paths
-
-
 def tree_drafts(trees, device) -> Drafts:
     """`Drafts` of one tree per row (`trees.Tree`): the nodes packed on `device`, their count, and the conditionals
     of their path estimates in join order."""
@@ -244,7 +231,6 @@ __all__ = [
     "grow_trees",
     "pack_trees",
     "slot_parents",
-    "slot_paths",
     "tree_attention_mask",
     "tree_drafts",
     "unpack_trees",
