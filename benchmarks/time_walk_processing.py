@@ -7,8 +7,9 @@ transformers' verify (and this package's until 2026-12-07) runs a row's prefix-d
 verify slot, each with the slot's own prefix. Only the slots on the accepted walk are ever read: a chain's up to its
 first rejected draft, a tree's along the path its choices take (`decoding.rows.process_and_choose`). Per prompt, in
 a rotating order: plain `generate()`, "every slot" (the old way, patched in) and "walk" (the shipped way), each with
-the shipped drafter under its own settings. One JSON line per prompt (seconds, processor calls, identical), then a
-summary on stderr. The embedded SmolLM2 target; run nothing else on the machine meanwhile.
+the shipped drafter under its own settings. One JSON line per prompt (seconds, the processor calls of the verifies'
+accept steps, whether the two ways gave one output), then a summary on stderr. The embedded SmolLM2 target; run
+nothing else on the machine meanwhile.
 """
 
 import argparse
@@ -54,16 +55,24 @@ def every_slot(rows, logits, tokens, lengths, parents=None, depths=None):
 
 @contextlib.contextmanager
 def way(name: str, calls: list):
-    """Patch in the old accept step for "every slot"; count processor-list calls (drafter's and verify's)."""
+    """Patch in the old accept step for "every slot"; count the processor-list calls made in a verify's accept step
+    (`calls[0]`; plain decoding: every call, one per step)."""
     shipped, call = core.process_and_choose, LogitsProcessorList.__call__
+    inside = [name == "plain"]
 
     def counted(self, *args, **kwargs):
-        calls[0] += 1
+        calls[0] += inside[0]
         return call(self, *args, **kwargs)
 
+    def accept_step(*args, **kwargs):
+        inside[0] = True
+        try:
+            return (every_slot if name == "every slot" else shipped)(*args, **kwargs)
+        finally:
+            inside[0] = False
+
     LogitsProcessorList.__call__ = counted
-    if name == "every slot":
-        core.process_and_choose = every_slot
+    core.process_and_choose = accept_step
     try:
         yield
     finally:
@@ -104,7 +113,7 @@ def main(argv=None) -> int:
                     )
                 outputs[name] = tokens.tolist()
                 seconds[name].append(spent)
-                line[name] = {"seconds": round(spent, 3), "tokens": len(tokens), "processor_calls": calls[0]}
+                line[name] = {"seconds": round(spent, 3), "tokens": len(tokens), "verify_processor_calls": calls[0]}
             line["identical"] = outputs["every slot"] == outputs["walk"]
             print(json.dumps(line), flush=True)
             index += 1
