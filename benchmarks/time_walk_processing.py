@@ -2,6 +2,7 @@
 
     python benchmarks/time_walk_processing.py --datasets mt-bench=$E/mt-bench.jsonl,gsm8k=$E/gsm8k.jsonl --limit 4
     python benchmarks/time_walk_processing.py ... --temperature 0 --processors no-repeat-ngram
+    python benchmarks/time_walk_processing.py ... --processors top-k-top-p
 
 transformers' verify (and this package's until 2026-12-07) runs a row's prefix-dependent logits processors once per
 verify slot, each with the slot's own prefix. Only the slots on the accepted walk are ever read: a chain's up to its
@@ -32,6 +33,7 @@ PROCESSORS = {
     "min-new-tokens": lambda n: {"min_new_tokens": n},
     "repetition-penalty": lambda n: {"repetition_penalty": 1.1},
     "no-repeat-ngram": lambda n: {"no_repeat_ngram_size": 4},
+    "top-k-top-p": lambda n: {"top_k": 50, "top_p": 0.9},  # transformers' warpers are processors too
 }
 
 
