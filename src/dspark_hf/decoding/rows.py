@@ -220,24 +220,23 @@ def process_and_choose(
     drafted = tokens.tolist()
     up = parents.tolist() if parents is not None else None
     for i in own:
-        row = rows[i]
-        prefix = row.processor_ids()
+        row, prefix = rows[i], rows[i].processor_ids()
+        walk = None if row.standard else walked.setdefault(i, {})  # a standard row reads every slot
         paths: dict[int, list[int]] = {0: []}  # slot -> the drafts before the token it chooses
-        walked[i] = {}
         for s in range(min(width, lengths[i] + 1)):
             if s > 0:
                 parent = s - 1 if up is None else up[i][s - 1]
-                reached = parent in walked[i] and walked[i][parent] == drafted[i][s - 1]
-                if not (reached or row.standard):
+                if walk is not None and walk.get(parent) != drafted[i][s - 1]:  # never reached
                     if up is None:
                         break  # a chain: every later slot hangs below this one
                     continue
                 paths[s] = paths[parent] + [drafted[i][s - 1]]
             ids = torch.tensor([prefix + paths[s]], device=logits.device)
             logits[i, s] = row.processors(ids, logits[i, s][None])[0]
-            if not row.standard:
+            if walk is not None:
                 at = [[s if offsets is None else offsets[i][s]]]
-                walked[i][s] = choose_tokens([row], logits[i : i + 1, s : s + 1], offsets=at)[0, 0].item()
+                walk[s] = choose_tokens([row], logits[i : i + 1, s : s + 1], offsets=at)[0, 0].item()
+    # the walked rows' choices are set above (the rest of their slots: never read)
     choices = choose_tokens(
         rows, logits, counts=[0 if i in walked else n for i, n in enumerate(counts)], offsets=offsets
     )
