@@ -20,5 +20,6 @@ lint: setup
 	$(VENV)/bin/ruff check src tests examples benchmarks tools
 	$(VENV)/bin/ruff format --check src tests examples benchmarks tools
 
+# two pytest processes of one torch thread each (tests/conftest.py): about 4 minutes on 2 cores, against 6-7 in one
 test: lint
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n 2

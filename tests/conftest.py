@@ -11,7 +11,12 @@ from dspark_hf import DSparkConfig, DSparkDraftModel
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2` on two cores: one thread per worker (and per process a test starts), or OpenMP oversubscribes
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)

@@ -86,7 +86,7 @@ def test_real_smollm2_target_is_lossless_with_untrained_and_oracle_drafters():
     assert drafter.generation_stats.per_position_acceptance == [1.0] * 7  # every draft accepted
 
 
-def test_demo_prints_the_reply_and_times_alternating_runs(tmp_path, capsys, monkeypatch):
+def test_demo_prints_the_reply_and_times_alternating_runs(tmp_path, capsys, monkeypatch, two_threads):
     monkeypatch.setattr(OPTIONS, "round_threads", False)  # every round at torch's thread count (tiny rounds vary)
     target = make_target()
     target.save_pretrained(tmp_path / "target")

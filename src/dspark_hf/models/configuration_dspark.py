@@ -368,7 +368,7 @@ class DSparkConfig(DrafterConfig):
             (always the whole block) or `"scheduler"` (Algorithm 1 with a profiled cost curve).
         confidence_threshold (`float`): survival threshold of the `"threshold"` policy.
         draft_gate (`bool`): under `"scheduler"`, skip a round's draft pass when it is not expected to pay for itself
-            (`scheduler.DraftGate`: the round is then a plain decoding step); False drafts every round.
+            (`gate.DraftGate`: the round is then a plain decoding step); False drafts every round.
         draft_layer (`str`): the draft layer's layout. `"llama"`: Llama blocks, with per-head QK-norm when
             `use_qk_norm` (DeepSpec's `Qwen3DSparkModel` layer). `"gemma4"`: DeepSpec's `Gemma4DSparkModel` layer
             (sandwich norms, Gemma-4 RMSNorm, a scale-free value norm, attention scale 1.0, a `layer_scalar`), the
