@@ -66,8 +66,9 @@ def make_drafter(target, seed=1, randomize_heads=True, **overrides) -> DSparkDra
 
 @pytest.fixture
 def two_threads():
-    """Run at 2 intra-op threads, as CI does (kernels that choose by thread count, such as the verify attention's
-    packed query heads); the caller's count is back afterwards."""
+    """Run at 2 intra-op threads, as a plain `pytest` run does (`make test`'s two workers run at one each), for
+    kernels that choose by thread count, such as the verify attention's packed query heads; the caller's count is
+    back afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
