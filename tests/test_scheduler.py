@@ -409,6 +409,36 @@ def test_draft_gate_follows_measured_round_times_and_recovers_when_the_load_chan
     assert gate.rounds[True].per_token(1) < gate.rounds[False].per_token(1)
 
 
+def test_a_gate_shut_by_measured_round_times_says_so_once(caplog):
+    """Drafted rounds measured dearer per token than plain ones (a load): one info line names both costs, once per
+    drafter and target, not again in a later call nor on a quiet machine, where no round is gated that way."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    def messages():
+        return [r.getMessage() for r in caplog.records if "measured" in r.getMessage()]
+
+    now, memory = [0.0], GateMemory()
+
+    def run(drafted_seconds, plain_seconds):
+        gate = DraftGate({b: 10.0 for b in range(1, 10)}, probe_interval=2, clock=lambda: now[0], memory=memory)
+        _gate_run(gate, now, 60, drafted_seconds, plain_seconds)
+        return gate
+
+    hf_logging.set_verbosity_info()
+    try:
+        with caplog.at_level(logging.INFO):
+            run(0.06, 0.04)
+            assert not messages()  # quiet: drafting pays (a plain round now and then re-measures the plain cost)
+            loaded = run(0.3, 0.06)
+            assert loaded.measured_gated >= 8 and len(messages()) == 1
+            assert "100.0 ms per committed token against 60.0 ms" in messages()[0]
+            assert run(0.3, 0.06).measured_gated >= 8 and len(messages()) == 1  # said once
+    finally:
+        hf_logging.set_verbosity_warning()
+
+
 def test_a_fixed_draft_price_ignores_round_times():
     now = [0.0]
     gate = DraftGate({b: 10.0 for b in range(1, 10)}, draft_seconds=0.001, clock=lambda: now[0])

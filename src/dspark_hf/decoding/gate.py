@@ -21,6 +21,8 @@ from .scheduler import SPS, SPSCurve, prefix_schedule
 
 logger = logging.get_logger(__name__)
 
+MEASURED_GATED_TOLD = 8  # rounds made plain by measured round times in one call before the gate says so (once)
+
 
 def drafting_pays(
     predicted: Sequence[Sequence[float]], sps: SPS, draft_seconds: float, max_tokens: int | None = None
@@ -254,6 +256,7 @@ class DraftGate:
                 self.wait, self.probing = self.probe_interval, False
                 return True
             self.measured_gated += 1
+            self._say_measured_dearer(rows)
         return self._plain()
 
     def _in_profile_time(self, seconds: float, rows: int) -> float:
@@ -293,6 +296,21 @@ class DraftGate:
                 "token costs as much as a decoding step, so not even drafts that are always accepted would pay."
             )
         return verdict
+
+    def _say_measured_dearer(self, rows: int) -> None:
+        """One info line, once per drafter and target, when measured round times have made `MEASURED_GATED_TOLD`
+        rounds of a call plain: what was measured, and what would reopen the gate."""
+        if self.measured_gated < MEASURED_GATED_TOLD or "measured dearer" in self.memory.told:
+            return
+        drafted, plain = self.rounds[True].per_token(rows), self.rounds[False].per_token(rows)
+        if drafted is None or plain is None or drafted <= plain:
+            return  # plain rounds taken only to re-measure the plain cost
+        self.memory.told.add("measured dearer")
+        logger.info(
+            f"The draft gate is making rounds plain decoding steps: drafted rounds measured {1e3 * drafted:.1f} ms "
+            f"per committed token against {1e3 * plain:.1f} ms for plain ones (another process on these cores, or "
+            "text the drafter does not follow). Output unchanged; it drafts again once a probe measures cheaper."
+        )
 
     def _plain(self) -> bool:
         if self.probing:  # the probe found nothing worth drafting: wait longer for the next one
