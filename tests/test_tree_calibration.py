@@ -202,7 +202,9 @@ def test_held_out_trees_are_the_trees_decoding_grows():
     drafter = make_drafter(target, block_size=3)
     seqs = [torch.randint(0, 99, (30,)).tolist() for _ in range(6)]
     data = TokenDataset.from_sequences(seqs, [2] * 6)
-    hidden, anchors, tokens = collect_tree_blocks(drafter, target, data, 32, 2, 8, 2)
+    hidden, anchors, tokens = collect_tree_blocks(
+        drafter, target, data, seq_len=32, batch_size=2, num_anchors=8, num_batches=2
+    )
     lm_head = target.get_output_embeddings()
     probs, hits, reach = tree_fit_data(drafter, lm_head, hidden, anchors, tokens, ranks=2)
     assert probs.shape == hits.shape == (hidden.shape[0], 3, 2) and reach[:, 0].all()
@@ -223,6 +225,41 @@ def test_held_out_trees_are_the_trees_decoding_grows():
     (two,) = grow_block_trees(drafter, lm_head, hidden[:1], anchors[:1], budget=2, fit=second)
     assert two.scores[0] == pytest.approx(calibrated([float(probs[0, 0, 0]), float(probs[0, 0, 1])], 1, second)[1])
     assert two.depths == [1, 2] and two.scores[1] > 0.5 * two.scores[0]
+
+
+def test_held_out_blocks_take_one_target_forward_per_batch_for_both_fits():
+    """`dspark-hf calibrate` collects the confidence head's labels and the tree fit's blocks in one target forward per
+    batch. The two parts are of the same blocks: a block's prefix survives to depth k exactly when the target's
+    token was the rank-1 child at every depth up to k in the tree fit's data. The single-part collectors give the
+    same as the combined one; `against_target` follows the target's own greedy tokens instead of the data's."""
+    from dspark_hf.training.calibration import collect_confidence, collect_held_out_blocks
+
+    target = make_target()
+    drafter = make_drafter(target, block_size=3)
+    data = TokenDataset.from_sequences([torch.randint(0, 99, (30,)).tolist() for _ in range(6)], [2] * 6)
+    blocks = dict(seq_len=32, batch_size=2, num_anchors=8, num_batches=2)
+    calls = []
+    hook = target.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        held = collect_held_out_blocks(drafter, target, data, **blocks)
+        assert len(calls) == 2  # one per batch
+        own = collect_held_out_blocks(drafter, target, data, **blocks, against_target=True)
+    finally:
+        hook.remove()
+    n = held.tokens.shape[0]
+    assert n > 0 and held.labels.shape == held.confidence_logits.shape == held.tokens.shape == (n, 3)
+    assert held.hidden.shape[:2] == (n, 3) and held.anchors.shape == (n,)
+    lm_head = target.get_output_embeddings()
+    hits = tree_fit_data(drafter, lm_head, held.hidden, held.anchors, held.tokens)[1]
+    assert torch.equal(held.labels.bool(), hits[..., 0].cumprod(-1).bool())
+    assert held.labels.any() and not held.labels.all()  # both outcomes occur, so the comparison says something
+    # the random target's greedy tokens are not the data's: other tokens, the same blocks
+    assert torch.equal(own.anchors, held.anchors) and torch.equal(own.hidden, held.hidden)
+    assert not torch.equal(own.tokens, held.tokens)
+    logits, labels = collect_confidence(drafter, target, data, **blocks)
+    assert torch.equal(logits, held.confidence_logits) and torch.equal(labels, held.labels)
+    hidden, anchors, tokens = collect_tree_blocks(drafter, target, data, **blocks)
+    assert torch.equal(hidden, held.hidden) and torch.equal(anchors, held.anchors) and torch.equal(tokens, held.tokens)
 
 
 def test_calibrate_cli_fits_and_reports_tree_estimates(tmp_path, capsys):

@@ -47,8 +47,7 @@ def run(args) -> int:
     from ..training.calibration import (
         MIN_BLOCKS,
         calibration_report,
-        collect_confidence,
-        collect_tree_blocks,
+        collect_held_out_blocks,
         fit_sts,
         fit_tree_calibration,
         reliability_diagram,
@@ -70,7 +69,8 @@ def run(args) -> int:
         num_anchors=args.anchors,
         against_target=args.quantize is not None,
     )
-    logits, labels = collect_confidence(drafter, target, dataset, **blocks)
+    held_out = collect_held_out_blocks(drafter, target, dataset, **blocks)  # one target forward per batch
+    logits, labels = held_out.confidence_logits, held_out.labels
     block = drafter.config.block_size
     require(len(labels) >= MIN_BLOCKS, _too_short(args.data, block, f"gave {len(labels)} in --batches"))
     temps = fit_sts(logits, labels)
@@ -79,7 +79,7 @@ def run(args) -> int:
     report["quantize"] = args.quantize
     ranks = args.tree_ranks or TREE_RANKS
     budget = args.tree_budget or TREE_BUDGET
-    hidden, anchors, tokens = collect_tree_blocks(drafter, target, dataset, **blocks)
+    hidden, anchors, tokens = held_out.hidden, held_out.anchors, held_out.tokens
     lm_head = target.get_output_embeddings()
     probs, hits, reach = tree_fit_data(drafter, lm_head, hidden, anchors, tokens, ranks)
     fit = fit_tree_calibration(probs, hits, reach)

@@ -23,6 +23,7 @@ estimates (the expected accepted depth of verifying them all) with the depth the
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -142,56 +143,72 @@ def calibration_report(logits, prefix_labels, temperatures, bins: int = 20, fold
     return report
 
 
-@torch.no_grad()
-def collect_confidence(
-    drafter, target, dataset, seq_len=512, batch_size=4, num_anchors=64, num_batches=8, seed=0, against_target=False
-):
-    """Raw confidence logits and greedy prefix-acceptance labels of fully supervised held-out blocks: (N, γ) each.
+class HeldOutBlocks(NamedTuple):
+    """What `collect_held_out_blocks` gathers from fully supervised held-out blocks (N of them, γ positions each):
+    the confidence head's raw logits and greedy prefix-acceptance labels (STS), and the blocks as decoding drafts
+    them, for the tree estimates. Either part is None where it was not asked for."""
 
-    A draft counts as accepted when it equals the data's next token, or with `against_target` the target's own
-    greedy token there (for a target other than the one that generated the data, e.g. a quantized one)."""
-    from .step import block_predictions
-
-    logits, labels = [], []
-    for ids, mask, gen in dataset.seeded_batches(num_batches, batch_size, seq_len, first_seed=seed * 7919):
-        p = block_predictions(drafter, target, ids, mask, num_anchors, gen)
-        if p.confidence_logits is None:
-            raise ValueError("This drafter has no confidence head; there is nothing to calibrate.")
-        full = p.blocks.valid.all(-1)  # (B, N)
-        wanted = p.target_logits.argmax(-1) if against_target else p.blocks.labels
-        hits = (p.draft_logits.argmax(-1) == wanted).cumprod(-1)
-        logits.append(p.confidence_logits[full])
-        labels.append(hits[full].float())
-    return torch.cat(logits), torch.cat(labels)
+    confidence_logits: torch.Tensor | None  # (N, γ)
+    labels: torch.Tensor | None  # (N, γ), 1.0 while every draft so far is the target's token
+    hidden: torch.Tensor | None  # (N, γ, d), the drafter's block hidden states
+    anchors: torch.Tensor | None  # (N,), the token each block starts from
+    tokens: torch.Tensor | None  # (N, γ), the tokens the target emits after the anchor
 
 
 @torch.no_grad()
-def collect_tree_blocks(
-    drafter, target, dataset, seq_len=512, batch_size=4, num_anchors=64, num_batches=8, seed=0, against_target=False
-):
-    """Fully supervised held-out blocks as decoding drafts them: block hidden states (N, γ, d), anchor tokens (N,)
-    and the tokens the target emits after the anchor (N, γ): the data's, or with `against_target` the target's own
-    greedy tokens there. The same batches and blocks as `collect_confidence`."""
-    from .data import make_blocks
-    from .step import target_features
+def collect_held_out_blocks(
+    drafter,
+    target,
+    dataset,
+    seq_len=512,
+    batch_size=4,
+    num_anchors=64,
+    num_batches=8,
+    seed=0,
+    against_target=False,
+    confidence=True,
+    trees=True,
+) -> HeldOutBlocks:
+    """Fully supervised held-out blocks, with one target forward per batch for both parts (`HeldOutBlocks`).
+
+    A draft counts as accepted, and a tree's path follows, the data's next token, or with `against_target` the
+    target's own greedy token there (for a target other than the one that generated the data, e.g. a quantized
+    one)."""
+    from .step import block_predictions, target_features
 
     config = drafter.config
-    lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
-    hidden, anchors, tokens = [], [], []
+    embed = target.get_input_embeddings()
+    parts = {name: [] for name in HeldOutBlocks._fields}
     for ids, mask, gen in dataset.seeded_batches(num_batches, batch_size, seq_len, first_seed=seed * 7919):
-        blocks = make_blocks(ids, mask, config.block_size, num_anchors, gen, getattr(config, "context_window", None))
-        features, last_hidden = target_features(target, ids, config.target_layer_ids)
-        h = drafter.block_hidden(features, ids, blocks, embed)  # (B, N, γ, d)
-        wanted = blocks.labels
-        if against_target:
-            pos = blocks.label_positions.flatten(1)  # (B, N·γ)
-            picked = torch.gather(last_hidden, 1, pos[..., None].expand(-1, -1, last_hidden.shape[-1]))
-            wanted = drafter.base_logits(picked, lm_head).argmax(-1).view_as(blocks.labels)
-        full = blocks.valid.all(-1)  # (B, N)
-        hidden.append(h[full].float())
-        anchors.append(torch.gather(ids, 1, blocks.anchors)[full])
-        tokens.append(wanted[full])
-    return torch.cat(hidden), torch.cat(anchors), torch.cat(tokens)
+        features = target_features(target, ids, config.target_layer_ids)
+        p = block_predictions(drafter, target, ids, mask, num_anchors, gen, features=features)
+        full = p.blocks.valid.all(-1)  # (B, N)
+        wanted = p.target_logits.argmax(-1) if against_target else p.blocks.labels  # (B, N, γ)
+        if confidence:
+            if p.confidence_logits is None:
+                raise ValueError("This drafter has no confidence head; there is nothing to calibrate.")
+            parts["confidence_logits"].append(p.confidence_logits[full])
+            parts["labels"].append((p.draft_logits.argmax(-1) == wanted).cumprod(-1)[full].float())
+        if trees:
+            h = drafter.block_hidden(features[0], ids, p.blocks, embed)  # (B, N, γ, d)
+            parts["hidden"].append(h[full].float())
+            parts["anchors"].append(torch.gather(ids, 1, p.blocks.anchors)[full])
+            parts["tokens"].append(wanted[full])
+    return HeldOutBlocks(**{name: torch.cat(found) if found else None for name, found in parts.items()})
+
+
+def collect_confidence(drafter, target, dataset, **blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw confidence logits and greedy prefix-acceptance labels of fully supervised held-out blocks: (N, γ) each
+    (`collect_held_out_blocks`' keyword arguments)."""
+    held_out = collect_held_out_blocks(drafter, target, dataset, **blocks, trees=False)
+    return held_out.confidence_logits, held_out.labels
+
+
+def collect_tree_blocks(drafter, target, dataset, **blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fully supervised held-out blocks as decoding drafts them: block hidden states (N, γ, d), anchor tokens (N,)
+    and the tokens the target emits after the anchor (N, γ); the same batches and blocks as `collect_confidence`."""
+    held_out = collect_held_out_blocks(drafter, target, dataset, **blocks, confidence=False)
+    return held_out.hidden, held_out.anchors, held_out.tokens
 
 
 @torch.no_grad()
@@ -466,7 +483,9 @@ def _local_checkpoint(source: str | os.PathLike) -> Path:
 __all__ = [
     "accepted_depth",
     "apply_tree_calibration",
+    "collect_held_out_blocks",
     "collect_tree_blocks",
+    "HeldOutBlocks",
     "fit_logistic",
     "fit_tree_calibration",
     "grow_block_trees",
