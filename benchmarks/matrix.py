@@ -97,14 +97,16 @@ def generated_tokens(out, prompt_length: int, eos) -> int:
     return total
 
 
-def run_cell(target, tokenizer, drafter, cell: dict, new_tokens: int, repeats: int) -> dict:
+def run_cell(target, tokenizer, drafter, cell: dict, new_tokens: int, repeats: int, greedy_min: bool = False) -> dict:
     import torch
 
     ids, mask = padded_batch(tokenizer, prompts_for(tokenizer, cell["prompt"], int(cell["batch"])))
     # sampled rows draw other tokens than transformers' sampling: every row makes all its tokens (no early stop token),
-    # so that both sides decode as many rows for as many steps
-    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_new_tokens": new_tokens}
-    settings = {"max_new_tokens": new_tokens, **(sampling if cell["mode"] == "t1" else {"do_sample": False})}
+    # so that both sides decode as many rows for as many steps; greedy rows too with `greedy_min`
+    full = {"min_new_tokens": new_tokens}
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **full}
+    greedy = {"do_sample": False, **(full if greedy_min else {})}
+    settings = {"max_new_tokens": new_tokens, **(sampling if cell["mode"] == "t1" else greedy)}
     drafter.config.tree_budget = {"chain": 0, "tree": 16, "auto": "auto"}[cell["draft"]]
 
     def generate(with_drafter: bool):
@@ -151,6 +153,11 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed plain/drafted pairs per cell (fastest kept)")
     parser.add_argument("--out", default="matrix.json", help="results, appended cell by cell (resumable)")
+    parser.add_argument(
+        "--greedy-min-new-tokens",
+        action="store_true",
+        help="greedy rows also make all --new-tokens (min_new_tokens), for a target that stops at once on a prompt",
+    )
     args = parser.parse_args(argv)
     chosen = {}
     for axis, values in AXES.items():
@@ -174,7 +181,11 @@ def main(argv=None) -> int:
         for cell in cells:
             hog = subprocess.Popen([sys.executable, "-c", HOG]) if cell["load"] == "hog" else None
             try:
-                result = run_cell(target, tokenizer, drafter, cell, args.new_tokens, args.repeats)
+                result = run_cell(
+                    target, tokenizer, drafter, cell, args.new_tokens, args.repeats, args.greedy_min_new_tokens
+                )
+                if args.greedy_min_new_tokens and cell["mode"] == "greedy":
+                    result["min_new_tokens"] = args.new_tokens
             finally:
                 if hog is not None:
                     hog.kill()
