@@ -130,6 +130,7 @@ def run_cell(target, tokenizer, drafter, cell: dict, new_tokens: int, repeats: i
     drafted_tokens = generated_tokens(drafted, ids.shape[1], eos)
     return {
         **cell,
+        **(full if greedy_min and cell["mode"] == "greedy" else {}),  # said in the cell: not the matrix's default
         "plain_s": min(plain_s),
         "drafted_s": min(drafted_s),
         "plain_tokens": plain_tokens,
@@ -184,8 +185,6 @@ def main(argv=None) -> int:
                 result = run_cell(
                     target, tokenizer, drafter, cell, args.new_tokens, args.repeats, args.greedy_min_new_tokens
                 )
-                if args.greedy_min_new_tokens and cell["mode"] == "greedy":
-                    result["min_new_tokens"] = args.new_tokens
             finally:
                 if hog is not None:
                     hog.kill()
