@@ -45,13 +45,15 @@ HOG = "import torch; torch.set_num_threads(1); a = torch.randn(1500, 1500)\nwhil
 
 
 def cpu_name() -> str:
+    """The CPU's model name and its widest matmul extension: VMs sold under one name differ in them."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    widest = next((f for f in ("amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
+    return f"{name or platform.processor() or 'unknown CPU'}" + (f" ({widest})" if widest else "")
 
 
 def load_target(kind: str):
@@ -168,6 +170,8 @@ def main(argv=None) -> int:
             parser.error(f"--{axis}: unknown {bad}; choose from {list(values)}")
     out = Path(args.out)
     done = json.loads(out.read_text()) if out.exists() else {"cpu": cpu_name(), "cells": []}
+    if done["cpu"] != cpu_name():
+        parser.error(f"{out} was measured on {done['cpu']!r}, this machine is {cpu_name()!r}: pass a new --out")
     keys = ("target", "batch", "mode", "prompt", "load", "draft")
     seen = {tuple(c[k] for k in keys) for c in done["cells"]}
     for target_kind in chosen["targets"]:

@@ -108,6 +108,47 @@ def test_the_checks_can_fail():
     assert layer_of("cli") > layer_of("decoding.core") > layer_of("models.modeling_dspark")
 
 
+def code_names(source: str) -> set[str]:
+    """The names a module's code uses: its identifiers and attribute names, and strings that are a whole identifier
+    (`getattr(m, "_name")`); not its comments, nor prose in docstrings."""
+    import io
+    import tokenize
+
+    found = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NAME:
+            found.add(token.string)
+        elif token.type == tokenize.STRING and token.string.strip("\"'").isidentifier():
+            found.add(token.string.strip("\"'"))
+    return found
+
+
+def private_torch_users(entry) -> set[str]:
+    """The modules (dotted below dspark_hf) whose code uses the private torch name of a `PRIVATE_TORCH` entry."""
+    name = entry.name.split()[0].split(".")[-1]  # "torch.ops.mkldnn._linear_pointwise" -> "_linear_pointwise"
+    return {
+        ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        for path in PACKAGE.rglob("*.py")
+        if name in code_names(path.read_text())
+    }
+
+
+def test_private_torch_names_are_used_only_where_their_table_says():
+    """`utils.compat.PRIVATE_TORCH` lists, per private torch name, the modules that use it: a new use elsewhere, or
+    an entry no module uses any more, fails here until the table says so."""
+    from dspark_hf.utils.compat import PRIVATE_TORCH, PrivateTorchName
+
+    assert {entry.name.split()[0].split(".")[-1] for entry in PRIVATE_TORCH} >= {"_packed_params", "_linear_pointwise"}
+    for entry in PRIVATE_TORCH:
+        assert private_torch_users(entry) == set(entry.used_in), entry.name
+    # the check can fail: a name used in a module its entry does not list
+    wrong = PrivateTorchName("torch.ops.mkldnn._linear_pointwise", ("kernels.packed_linear",), "", ())
+    assert private_torch_users(wrong) != set(wrong.used_in)
+    assert code_names('x = getattr(m, "_packed_params")  # _global_forward_hooks\n"""a _linear_pointwise"""') == {
+        "x", "getattr", "m", "_packed_params"
+    }  # fmt: skip
+
+
 def resolve(dotted: str):
     """The object a dotted `dspark_hf.a.b.C.d` names: the longest importable module prefix, then attributes."""
     import importlib

@@ -199,6 +199,67 @@ def test_windowed_decoding_drafts_from_the_last_w_features_and_stays_lossless(ta
         torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_windowed_drafts_after_plain_rounds_see_the_last_w_features(target, monkeypatch):
+    """Rounds kept plain (the draft gate) add their positions to a row's context piece by piece, keeping only what
+    the window reaches; the next draft still sees exactly the W positions before its anchor."""
+    from dspark_hf.decoding.core import SpeculativeDecoder
+
+    window, rounds = 4, []
+    drafter = make_drafter(target, context_window=window, verify_policy="fixed")
+    pays = SpeculativeDecoder._drafting_pays
+    monkeypatch.setattr(  # plain for rounds 2..9: 8 positions pile up, twice the window
+        SpeculativeDecoder,
+        "_drafting_pays",
+        lambda self: rounds.append(0) or (not 2 <= len(rounds) <= 9 and pays(self)),
+    )
+    passes = []
+
+    def spy(module, args, kwargs, output):
+        passes.append((kwargs["position_ids"][0, -4].item(), output.last_hidden_state.clone()))
+
+    prompt = torch.randint(0, 99, (1, 11))
+    handle = drafter.register_forward_hook(spy, with_kwargs=True)
+    out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    handle.remove()
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=20, do_sample=False))
+    feats, _ = target_features(target, out, drafter.config.target_layer_ids)
+    embed = target.get_input_embeddings()
+    anchors = [anchor for anchor, _ in passes]
+    assert any(b - a >= 2 * window for a, b in zip(anchors, anchors[1:]))  # a draft after the plain stretch
+    for anchor, hidden in passes:
+        ref = drafter(
+            noise_embeds=drafter.block_input_embeds(out[:, anchor : anchor + 1], embed),
+            context_hidden_states=feats[:, anchor - window : anchor],
+            position_ids=torch.arange(anchor - window, anchor + 4)[None],
+        ).last_hidden_state
+        torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_rows_context_joins_its_pieces_once_and_keeps_what_the_window_reaches():
+    from dspark_hf.decoding.rows import Row
+
+    history = torch.randn(24, 3)
+    row = Row([1, 2])
+    row.add_context(history[:10])
+    for i in range(10, 24):
+        row.add_context(history[i : i + 1])
+    assert len(row._context) == 15  # nothing joined while rounds add
+    assert torch.equal(row.context, history) and len(row._context) == 1  # joined once, when read
+    row.context = None
+    assert row.context is None
+
+    prompt, held = history[:10], []
+    row.add_context(prompt, reach=4)
+    assert torch.equal(row.context, history[6:10])
+    assert row.context.untyped_storage().data_ptr() != prompt.untyped_storage().data_ptr()  # the prompt's let go
+    for i in range(10, 24):
+        row.add_context(history[i : i + 1], reach=4)
+        held.append(row.context)  # (read each time: joined into one piece, which the next adds must trim too)
+        assert torch.equal(held[-1][-4:], history[i - 3 : i + 1])
+    assert max(map(len, held)) == 7 and min(map(len, held[3:])) == 4  # fewer than 2·reach, trimmed to reach
+
+
 def test_windowed_rows_of_different_lengths_match_their_own_greedy(target):
     drafter = make_drafter(target, context_window=3)
     prompts = [[5, 17, 3], [40, 2, 9, 11, 7, 33, 8, 1, 1, 2], [61]]

@@ -181,7 +181,9 @@ class SpeculativeDecoder:
         processed = processed[:, 0]
         features = self._features(out) if self.taps else None  # (n, P, m·d)
         for i, (row, token) in enumerate(zip(rows, tokens)):
-            row.context = features[i, : lengths[i]] if features is not None else None  # every prompt position
+            row.context = None
+            if features is not None:  # every prompt position (that a draft can reach)
+                row.add_context(features[i, : lengths[i]], self.candidates.context_reach)
             states = [_layers(out.hidden_states, i, 0, lengths[i])] if row.keeps_hidden_states else None
             row.commit([token], processed[i : i + 1], logits[i : i + 1], states)
             row.seq.append(token)
@@ -479,8 +481,7 @@ class SpeculativeDecoder:
             )  # fmt: skip
             row.seq += new[:taken]
             if features is not None:  # the old anchor + accepted drafts (the bonus is the new anchor)
-                context = features[i, slots]
-                row.context = context if row.context is None else torch.cat([row.context, context])
+                row.add_context(features[i, slots], self.candidates.context_reach)
             self.counts["request_rounds"] += 1
             self.counts["verified_drafts"] += drafts.lengths[i]
             self.counts["accepted_drafts"] += n_acc

@@ -75,6 +75,12 @@ class _Generator:
         self.target_device = model_device(target)
         pack_linears(drafter)  # the drafter's CPU linears through oneDNN's packed weights (packed_linear.py)
 
+    @property
+    def context_reach(self) -> int | None:
+        """How many of a row's latest context entries a draft reads: `config.context_window` (None: all), read each
+        round since a live config can change."""
+        return getattr(self.config, "context_window", None)
+
 
 class DSparkCandidateGenerator(_Generator):
     """Drafts a block per row with a DSpark drafter: one parallel pass, then the sequential and confidence heads."""

@@ -50,10 +50,35 @@ class Row:
         self._noise: dict[int, torch.Tensor] = {}  # position -> its Gumbel noise (V,), until the position is committed
         self.noise_device = None  # where the noise is made (the decoder sets the target's: one device type per row)
         self.finished = False
-        self.context: torch.Tensor | None = None  # (n, m·d) target features not yet in the drafter's cache
+        self._context: list[torch.Tensor] = []  # pieces of `context`, joined when read
         self.hint: list[float] | None = None  # conditional confidences of its last drafted round (the gate's guess)
         self.suffix_index = None  # where its n-grams occurred (`lookup.SuffixIndex`), made at its first lookup
         self.stats = DSparkGenerationStats(block_size=block_size, num_prompt_tokens=len(self.seq))
+
+    @property
+    def context(self) -> torch.Tensor | None:
+        """(n, m·d) target features not yet in the drafter's cache (None: none), joined once when a draft reads it."""
+        if len(self._context) > 1:
+            self._context = [torch.cat(self._context)]
+        return self._context[0] if self._context else None
+
+    @context.setter
+    def context(self, value: torch.Tensor | None) -> None:
+        self._context = [] if value is None else [value]
+
+    def add_context(self, features: torch.Tensor, reach: int | None = None) -> None:
+        """Append target features (n, m·d) to `context` without copying what it holds: a round the draft gate keeps
+        plain adds one position, and over a 4k prompt re-joining the whole context each such round cost more than
+        the step's own attention. `reach`: a draft reads only the last `reach` entries (the drafter's
+        `context_window`), so older ones are dropped (and a view of a larger tensor is copied, letting it go)."""
+        if reach is not None and features.shape[0] > reach:
+            features = features[-reach:].clone()
+        self._context.append(features)
+        if reach is not None:  # hold fewer than 2·reach entries
+            while len(self._context) > 1 and sum(piece.shape[0] for piece in self._context[1:]) >= reach:
+                self._context.pop(0)
+            if sum(piece.shape[0] for piece in self._context) >= 2 * reach:  # a joined piece (read, not drafted)
+                self._context = [torch.cat(self._context)[-reach:].clone()]
 
     @property
     def anchor_position(self) -> int:

@@ -17,6 +17,8 @@ the weights that have copies (`freshness.drop_stale`), and once when a copy is m
 import torch
 from torch import nn
 
+from ..utils.compat import dynamic_packed_params
+
 
 Fingerprint = tuple  # of int64 tensors and plain values; compared with `same`
 
@@ -115,10 +117,9 @@ class Packed:
 def _module_tensors(module: nn.Module) -> list:
     """The tensors a module's output depends on: its state dict's values; for a dynamically quantized linear, whose
     weight and bias are packed into one object (its state dict and `weight()` unpack it), that object (`Packed`)."""
-    holder = getattr(module, "_packed_params", None)
-    packed = getattr(holder, "_packed_params", None)
-    if isinstance(packed, torch.ScriptObject):
-        return [Packed(packed, getattr(holder, "dtype", None))]
+    packed = dynamic_packed_params(module)
+    if packed is not None:
+        return [Packed(*packed)]
     values = list(module.state_dict(keep_vars=True).values())
     weight = getattr(module, "weight", None)
     if callable(weight) and not isinstance(weight, torch.Tensor):

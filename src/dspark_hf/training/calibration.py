@@ -174,6 +174,7 @@ def collect_held_out_blocks(
     A draft counts as accepted, and a tree's path follows, the data's next token, or with `against_target` the
     target's own greedy token there (for a target other than the one that generated the data, e.g. a quantized
     one)."""
+    from .data import make_blocks
     from .step import block_predictions, target_features
 
     config = drafter.config
@@ -181,20 +182,33 @@ def collect_held_out_blocks(
     parts = {name: [] for name in HeldOutBlocks._fields}
     for ids, mask, gen in dataset.seeded_batches(num_batches, batch_size, seq_len, first_seed=seed * 7919):
         features = target_features(target, ids, config.target_layer_ids)
-        p = block_predictions(drafter, target, ids, mask, num_anchors, gen, features=features)
-        full = p.blocks.valid.all(-1)  # (B, N)
-        wanted = p.target_logits.argmax(-1) if against_target else p.blocks.labels  # (B, N, γ)
+        if confidence:  # the drafter's training pass: its drafts and confidences on the blocks it samples
+            p = block_predictions(drafter, target, ids, mask, num_anchors, gen, features=features)
+            blocks = p.blocks
+        else:  # the same blocks (`block_predictions` samples them first, from the same generator), no drafter pass
+            blocks = make_blocks(
+                ids, mask, config.block_size, num_anchors, gen, getattr(config, "context_window", None)
+            )
+        full = blocks.valid.all(-1)  # (B, N)
+        wanted = _target_greedy(drafter, target, features[1], blocks) if against_target else blocks.labels  # (B, N, γ)
         if confidence:
             if p.confidence_logits is None:
                 raise ValueError("This drafter has no confidence head; there is nothing to calibrate.")
             parts["confidence_logits"].append(p.confidence_logits[full])
             parts["labels"].append((p.draft_logits.argmax(-1) == wanted).cumprod(-1)[full].float())
         if trees:
-            h = drafter.block_hidden(features[0], ids, p.blocks, embed)  # (B, N, γ, d)
+            h = drafter.block_hidden(features[0], ids, blocks, embed)  # (B, N, γ, d)
             parts["hidden"].append(h[full].float())
-            parts["anchors"].append(torch.gather(ids, 1, p.blocks.anchors)[full])
+            parts["anchors"].append(torch.gather(ids, 1, blocks.anchors)[full])
             parts["tokens"].append(wanted[full])
     return HeldOutBlocks(**{name: torch.cat(found) if found else None for name, found in parts.items()})
+
+
+def _target_greedy(drafter, target, last_hidden: torch.Tensor, blocks) -> torch.Tensor:
+    """The target's greedy token at each block position (B, N, γ), from its last hidden states (B, L, d)."""
+    positions = blocks.label_positions.flatten(1)  # (B, N·γ)
+    picked = torch.gather(last_hidden, 1, positions[..., None].expand(-1, -1, last_hidden.shape[-1]))
+    return drafter.base_logits(picked, target.get_output_embeddings()).argmax(-1).view_as(blocks.labels)
 
 
 def collect_confidence(drafter, target, dataset, **blocks) -> tuple[torch.Tensor, torch.Tensor]:

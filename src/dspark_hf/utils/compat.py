@@ -1,11 +1,13 @@
-"""Every transformers name this package relies on beyond the documented API, in one table, checked on import.
+"""Every transformers and torch name this package relies on beyond the documented API, in two tables.
 
 The decoding loop runs on public API: `generate(custom_generate=<callable>)` (the callable receives the prepared
 logits processors, stopping criteria and generation config), `DynamicCache`, `AttentionInterface`. What remains
 below is either private or behaviour that the public API does not promise. Each entry: the name, where it is used,
 why, and the transformers versions it was tested with. Remove an entry when the need goes away.
 
-The table is `PRIVATE_API` below.
+The table is `PRIVATE_API` below; the transformers version is checked on import (`check_transformers_version`).
+torch's private names are in `PRIVATE_TORCH` (each with the modules that may use it, which `tests/test_layout.py`
+holds the source to); the code that calls them falls back to torch's public path where a name is missing.
 """
 
 from typing import NamedTuple
@@ -105,6 +107,59 @@ PRIVATE_API = (
 )
 
 
+class PrivateTorchName(NamedTuple):
+    name: str  # as written in the code, e.g. "torch.ops.mkldnn._linear_pointwise"
+    used_in: tuple[str, ...]  # the modules below dspark_hf that may use it
+    why: str
+    tested: tuple[str, ...]  # torch versions
+
+
+PRIVATE_TORCH = (
+    PrivateTorchName(
+        "torch.ops.mkldnn._reorder_linear_weight",
+        ("kernels.packed_linear", "kernels.verify_linears"),
+        "pack a linear's weight once into oneDNN's blocked layout (what inductor does for CPU linears), so a draft "
+        "or verify product does not repack it on every call",
+        ("2.13",),
+    ),
+    PrivateTorchName(
+        "torch.ops.mkldnn._linear_pointwise",
+        ("kernels.packed_linear", "kernels.verify_linears"),
+        "multiply by a packed weight",
+        ("2.13",),
+    ),
+    PrivateTorchName(
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported",
+        ("kernels.packed_linear",),
+        "whether bf16 products are native on this CPU (a bf16 drafter is faster there, emulated elsewhere)",
+        ("2.13",),
+    ),
+    PrivateTorchName(
+        "_packed_params (a dynamically quantized Linear's holder and the ScriptObject inside it)",
+        ("utils.compat",),
+        "fingerprint such a linear by the packed object itself (`dynamic_packed_params`): unpacking its weight to "
+        "read it costs ~0.4 s a call for SmolLM2's LM head",
+        ("2.13",),
+    ),
+    PrivateTorchName(
+        "torch.nn.modules.module._global_forward_hooks / _global_forward_pre_hooks",
+        ("utils.compat",),
+        "a lean forward, which skips the modules' __call__, runs only where no global hook would be skipped",
+        ("2.13",),
+    ),
+)
+
+
+def dynamic_packed_params(module) -> tuple[object, object] | None:
+    """(the packed weight-and-bias object, its dtype) of a PyTorch dynamically quantized linear; None for any other
+    module (see `PRIVATE_TORCH`)."""
+    import torch
+
+    holder = getattr(module, "_packed_params", None)
+    packed = getattr(holder, "_packed_params", None)
+    return (packed, getattr(holder, "dtype", None)) if isinstance(packed, torch.ScriptObject) else None
+
+
 def compile_everywhere(**kwargs):
     """transformers' `CompileConfig(**kwargs)`, set to compile on any device (see `PRIVATE_API`)."""
     from transformers import CompileConfig
@@ -171,8 +226,10 @@ def check_transformers_version() -> None:
 __all__ = [
     "MIN_VERSION",
     "PRIVATE_API",
+    "PRIVATE_TORCH",
     "TESTED",
     "PrivateName",
+    "PrivateTorchName",
     "check_transformers_version",
     "selects_hidden_states",
 ]
