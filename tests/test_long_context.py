@@ -168,28 +168,23 @@ def test_window_in_training_equals_the_drafter_on_the_last_w_features(target):
         torch.testing.assert_close(hidden[0, n], ref[0], atol=1e-5, rtol=1e-5)
 
 
-@torch.no_grad()
-def test_windowed_decoding_drafts_from_the_last_w_features_and_stays_lossless(target):
-    """In generate(), every block pass sees exactly the W committed positions before its anchor (checked against the
-    drafter run on the final sequence's features), the drafter cache never holds more, and the output is plain
-    greedy's."""
-    window = 6
-    drafter = make_drafter(target, context_window=window, verify_policy="fixed")
-    passes = []
+def windowed_block_passes(target, drafter, prompt, new_tokens: int) -> list[int]:
+    """Decode `prompt` greedily with a windowed drafter (W = `context_window`, blocks of 4), check the output is plain
+    greedy's, the drafter cache never holds more than W context entries, and every block pass saw exactly the W
+    committed positions before its anchor (against the drafter run on the final sequence's features). Returns the
+    passes' anchors."""
+    window, passes = drafter.config.context_window, []
 
     def spy(module, args, kwargs, output):
         passes.append((kwargs["position_ids"][0, -4].item(), output.last_hidden_state.clone()))
-        cache = kwargs["cache"]
-        assert cache.get_seq_length() <= window + 4  # W context entries + this block's own (cropped after)
+        assert kwargs["cache"].get_seq_length() <= window + 4  # W context entries + this block's own (cropped after)
 
-    prompt = torch.randint(0, 99, (1, 17))
     handle = drafter.register_forward_hook(spy, with_kwargs=True)
-    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    out = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False, assistant_model=drafter)
     handle.remove()
-    assert torch.equal(out, target.generate(prompt, max_new_tokens=24, do_sample=False))
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=new_tokens, do_sample=False))
     feats, _ = target_features(target, out, drafter.config.target_layer_ids)
     embed = target.get_input_embeddings()
-    assert len(passes) > 3
     for anchor, hidden in passes:
         ref = drafter(
             noise_embeds=drafter.block_input_embeds(out[:, anchor : anchor + 1], embed),
@@ -197,6 +192,15 @@ def test_windowed_decoding_drafts_from_the_last_w_features_and_stays_lossless(ta
             position_ids=torch.arange(anchor - window, anchor + 4)[None],
         ).last_hidden_state
         torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
+    return [anchor for anchor, _ in passes]
+
+
+@torch.no_grad()
+def test_windowed_decoding_drafts_from_the_last_w_features_and_stays_lossless(target):
+    """In generate(), every block pass sees exactly the W committed positions before its anchor, the drafter cache
+    never holds more, and the output is plain greedy's."""
+    drafter = make_drafter(target, context_window=6, verify_policy="fixed")
+    assert len(windowed_block_passes(target, drafter, torch.randint(0, 99, (1, 17)), 24)) > 3
 
 
 @torch.no_grad()
@@ -213,27 +217,8 @@ def test_windowed_drafts_after_plain_rounds_see_the_last_w_features(target, monk
         "_drafting_pays",
         lambda self: rounds.append(0) or (not 2 <= len(rounds) <= 9 and pays(self)),
     )
-    passes = []
-
-    def spy(module, args, kwargs, output):
-        passes.append((kwargs["position_ids"][0, -4].item(), output.last_hidden_state.clone()))
-
-    prompt = torch.randint(0, 99, (1, 11))
-    handle = drafter.register_forward_hook(spy, with_kwargs=True)
-    out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter)
-    handle.remove()
-    assert torch.equal(out, target.generate(prompt, max_new_tokens=20, do_sample=False))
-    feats, _ = target_features(target, out, drafter.config.target_layer_ids)
-    embed = target.get_input_embeddings()
-    anchors = [anchor for anchor, _ in passes]
+    anchors = windowed_block_passes(target, drafter, torch.randint(0, 99, (1, 11)), 20)
     assert any(b - a >= 2 * window for a, b in zip(anchors, anchors[1:]))  # a draft after the plain stretch
-    for anchor, hidden in passes:
-        ref = drafter(
-            noise_embeds=drafter.block_input_embeds(out[:, anchor : anchor + 1], embed),
-            context_hidden_states=feats[:, anchor - window : anchor],
-            position_ids=torch.arange(anchor - window, anchor + 4)[None],
-        ).last_hidden_state
-        torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_a_rows_context_joins_its_pieces_once_and_keeps_what_the_window_reaches():

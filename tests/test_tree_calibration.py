@@ -258,8 +258,14 @@ def test_held_out_blocks_take_one_target_forward_per_batch_for_both_fits():
     assert not torch.equal(own.tokens, held.tokens)
     logits, labels = collect_confidence(drafter, target, data, **blocks)
     assert torch.equal(logits, held.confidence_logits) and torch.equal(labels, held.labels)
-    hidden, anchors, tokens = collect_tree_blocks(drafter, target, data, **blocks)
+    passes = []  # the tree fit's blocks need no drafter training pass
+    original = type(drafter).training_logits
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(drafter), "training_logits", lambda *a, **k: passes.append(1) or original(*a, **k))
+        hidden, anchors, tokens = collect_tree_blocks(drafter, target, data, **blocks)
+        assert torch.equal(collect_tree_blocks(drafter, target, data, **blocks, against_target=True)[2], own.tokens)
     assert torch.equal(hidden, held.hidden) and torch.equal(anchors, held.anchors) and torch.equal(tokens, held.tokens)
+    assert passes == []
 
 
 def test_calibrate_cli_fits_and_reports_tree_estimates(tmp_path, capsys):

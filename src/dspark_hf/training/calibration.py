@@ -190,7 +190,9 @@ def collect_held_out_blocks(
                 ids, mask, config.block_size, num_anchors, gen, getattr(config, "context_window", None)
             )
         full = blocks.valid.all(-1)  # (B, N)
-        wanted = _target_greedy(drafter, target, features[1], blocks) if against_target else blocks.labels  # (B, N, γ)
+        wanted = blocks.labels  # (B, N, γ)
+        if against_target:  # the training pass has the target's logits there already
+            wanted = p.target_logits.argmax(-1) if confidence else _target_greedy(drafter, target, features[1], blocks)
         if confidence:
             if p.confidence_logits is None:
                 raise ValueError("This drafter has no confidence head; there is nothing to calibrate.")
