@@ -51,6 +51,7 @@ class Row:
         self.noise_device = None  # where the noise is made (the decoder sets the target's: one device type per row)
         self.finished = False
         self._context: list[torch.Tensor] = []  # pieces of `context`, joined when read
+        self._context_length = 0  # their entries in all
         self.hint: list[float] | None = None  # conditional confidences of its last drafted round (the gate's guess)
         self.suffix_index = None  # where its n-grams occurred (`lookup.SuffixIndex`), made at its first lookup
         self.stats = DSparkGenerationStats(block_size=block_size, num_prompt_tokens=len(self.seq))
@@ -65,6 +66,7 @@ class Row:
     @context.setter
     def context(self, value: torch.Tensor | None) -> None:
         self._context = [] if value is None else [value]
+        self._context_length = 0 if value is None else value.shape[0]
 
     def add_context(self, features: torch.Tensor, reach: int | None = None) -> None:
         """Append target features (n, m·d) to `context` without copying what it holds: a round the draft gate keeps
@@ -74,11 +76,12 @@ class Row:
         if reach is not None and features.shape[0] > reach:
             features = features[-reach:].clone()
         self._context.append(features)
+        self._context_length += features.shape[0]
         if reach is not None:  # hold fewer than 2·reach entries
-            while len(self._context) > 1 and sum(piece.shape[0] for piece in self._context[1:]) >= reach:
-                self._context.pop(0)
-            if sum(piece.shape[0] for piece in self._context) >= 2 * reach:  # a joined piece (read, not drafted)
-                self._context = [torch.cat(self._context)[-reach:].clone()]
+            while len(self._context) > 1 and self._context_length - self._context[0].shape[0] >= reach:
+                self._context_length -= self._context.pop(0).shape[0]
+            if self._context_length >= 2 * reach:  # a joined piece (read, not drafted)
+                self.context = torch.cat(self._context)[-reach:].clone()
 
     @property
     def anchor_position(self) -> int:

@@ -175,7 +175,7 @@ def collect_held_out_blocks(
     target's own greedy token there (for a target other than the one that generated the data, e.g. a quantized
     one)."""
     from .data import make_blocks
-    from .step import block_predictions, target_features
+    from .step import block_predictions, block_target_logits, target_features
 
     config = drafter.config
     embed = target.get_input_embeddings()
@@ -192,7 +192,9 @@ def collect_held_out_blocks(
         full = blocks.valid.all(-1)  # (B, N)
         wanted = blocks.labels  # (B, N, γ)
         if against_target:  # the training pass has the target's logits there already
-            wanted = p.target_logits.argmax(-1) if confidence else _target_greedy(drafter, target, features[1], blocks)
+            head = target.get_output_embeddings()
+            logits = p.target_logits if confidence else block_target_logits(drafter, features[1], blocks, head)
+            wanted = logits.argmax(-1)
         if confidence:
             if p.confidence_logits is None:
                 raise ValueError("This drafter has no confidence head; there is nothing to calibrate.")
@@ -204,13 +206,6 @@ def collect_held_out_blocks(
             parts["anchors"].append(torch.gather(ids, 1, blocks.anchors)[full])
             parts["tokens"].append(wanted[full])
     return HeldOutBlocks(**{name: torch.cat(found) if found else None for name, found in parts.items()})
-
-
-def _target_greedy(drafter, target, last_hidden: torch.Tensor, blocks) -> torch.Tensor:
-    """The target's greedy token at each block position (B, N, γ), from its last hidden states (B, L, d)."""
-    positions = blocks.label_positions.flatten(1)  # (B, N·γ)
-    picked = torch.gather(last_hidden, 1, positions[..., None].expand(-1, -1, last_hidden.shape[-1]))
-    return drafter.base_logits(picked, target.get_output_embeddings()).argmax(-1).view_as(blocks.labels)
 
 
 def collect_confidence(drafter, target, dataset, **blocks) -> tuple[torch.Tensor, torch.Tensor]:

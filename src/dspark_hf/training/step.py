@@ -72,6 +72,14 @@ class BlockPredictions:
     teacher_logits: torch.Tensor | None = None
 
 
+def block_target_logits(drafter, last_hidden, blocks, lm_head, vocab_ids=None) -> torch.Tensor:
+    """The target's logits at each block position, (B, N, γ, V) (V': `vocab_ids`), from its last hidden states
+    (B, L, d), through the drafter's `base_logits`."""
+    positions = blocks.label_positions.flatten(1)  # (B, N·γ)
+    picked = torch.gather(last_hidden, 1, positions[..., None].expand(-1, -1, last_hidden.shape[-1]))
+    return drafter.base_logits(picked, lm_head, vocab_ids).view(*blocks.labels.shape, -1)
+
+
 def block_predictions(
     drafter,
     target,
@@ -103,9 +111,7 @@ def block_predictions(
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
     draft_logits, conf = module.training_logits(features, input_ids, blocks, embed, lm_head, vocab_ids, drafter)
     with torch.no_grad():
-        pos = blocks.label_positions.flatten(1)  # (B, N·γ)
-        picked = torch.gather(last_hidden, 1, pos[..., None].expand(-1, -1, last_hidden.shape[-1]))
-        target_logits = module.base_logits(picked, lm_head, vocab_ids).view_as(draft_logits)
+        target_logits = block_target_logits(module, last_hidden, blocks, lm_head, vocab_ids)
         teacher_logits = None
         if teacher is not None:
             teacher_logits = teacher.training_logits(features, input_ids, blocks, embed, lm_head, vocab_ids)[0]

@@ -7,7 +7,7 @@ why, and the transformers versions it was tested with. Remove an entry when the 
 
 The table is `PRIVATE_API` below; the transformers version is checked on import (`check_transformers_version`).
 torch's private names are in `PRIVATE_TORCH` (each with the modules that may use it, which `tests/test_layout.py`
-holds the source to); the code that calls them falls back to torch's public path where a name is missing.
+holds the source to).
 """
 
 from typing import NamedTuple
